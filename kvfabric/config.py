@@ -45,12 +45,23 @@ class HookSettings:
     evicted_memory: int = 1_000_000  # recently evicted hashes kept for rebuilt/regret detection
     regret_window_s: float = 60.0
     cache_aware_scheduling: bool = False
+    admission_gate_explicit: bool = False  # KVFABRIC_ADMISSION_ANCHOR_BLOCKS was set
     warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def admission_gate_on(self) -> bool:
+        """The gate runs only when asked for: explicitly set, or implied by a non-LRU policy (DESIGN.md §3)."""
+        return self.admission_anchor_blocks > 0 and (self.admission_gate_explicit or self.policy != "lru")
+
+    @property
+    def steers(self) -> bool:
+        """Whether KVFabric changes any vLLM decision (otherwise it only observes)."""
+        return self.policy != "lru" or self.admission_gate_on or self.cache_aware_scheduling
 
     @property
     def active(self) -> bool:
         """Whether the plugin installs anything: lifecycle recording or a non-LRU policy or gate."""
-        return self.lifecycle or self.policy != "lru" or self.cache_aware_scheduling
+        return self.lifecycle or self.steers
 
     def as_metadata(self) -> dict[str, object]:
         return {
@@ -115,5 +126,6 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
         evicted_memory=_int(env, "KVFABRIC_EVICTED_MEMORY", 1_000_000, warnings, minimum=1),
         regret_window_s=regret,
         cache_aware_scheduling=env.get("KVFABRIC_CACHE_AWARE_SCHEDULING", "").strip().lower() in _TRUE,
+        admission_gate_explicit=bool(env.get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS", "").strip()),
         warnings=tuple(warnings),
     )

@@ -83,12 +83,18 @@ def tracked_pool_class(base: type) -> type:
             *args: Any,
             **kwargs: Any,
         ) -> None:
+            t = self._kvfabric
+            gate = t.admission_gate
+            if gate is not None and num_cached_blocks < num_full_blocks:
+                # The admission gate narrows vLLM's own mask (DESIGN.md §3: a masked block is never cached).
+                mask = kwargs.pop("block_mask", args[0] if args else None)
+                args = ()
+                kwargs["block_mask"] = gate.mask(t, request, blocks, num_cached_blocks, num_full_blocks, mask)
             super().cache_full_blocks(
                 request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, *args, **kwargs
             )
             if num_cached_blocks >= num_full_blocks:
                 return
-            t = self._kvfabric
             mask = kwargs.get("block_mask", args[0] if args else None)
             hash_block_size = getattr(self, "hash_block_size", block_size)
             t.guard(t.on_sealed, request, blocks, num_cached_blocks, num_full_blocks, mask, hash_block_size, block_size)
@@ -113,6 +119,13 @@ def _wrap_manager(manager: Any, tracker: LifecycleTracker) -> None:
     @functools.wraps(allocate_slots)
     def kvfabric_allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         fresh = request.num_computed_tokens == 0
+        regret: list[Any] = []
+        if fresh and tracker.enabled and tracker.evicted:
+            hit = kwargs.get("num_new_computed_tokens", args[0] if args else 0)
+            try:
+                regret = tracker.regret_candidates(request, hit)
+            except Exception:
+                regret = []
         prev = tracker.current_request
         tracker.current_request = request
         try:
@@ -121,7 +134,7 @@ def _wrap_manager(manager: Any, tracker: LifecycleTracker) -> None:
             tracker.current_request = prev
         if result is not None and fresh:
             hit = kwargs.get("num_new_computed_tokens", args[0] if args else 0)
-            tracker.guard(tracker.on_admitted, request, hit)
+            tracker.guard(tracker.on_admitted, request, hit, regret)
         return result
 
     @functools.wraps(free)
@@ -180,20 +193,28 @@ class Installation:
             self.sink.close()
 
 
-def install(scheduler: Any, settings: HookSettings) -> Installation | None:
-    """Attach the hook to a freshly built scheduler. Returns None (and leaves vLLM untouched) when it cannot."""
-    manager = getattr(scheduler, "kv_cache_manager", None)
+def attach(
+    manager: Any,
+    settings: HookSettings,
+    *,
+    block_size: int | None = None,
+    engine: str = "local",
+    start_sink: bool = True,
+) -> Installation | None:
+    """Attach the hook to one KVCacheManager and its BlockPool. Returns None (vLLM untouched) when it cannot.
+
+    ``start_sink=False`` records into the tracker's buffer only (tests and in-process replay drain it).
+    """
     pool = getattr(manager, "block_pool", None)
     if pool is None or not getattr(pool, "enable_caching", True):
-        log.info("kvfabric: no prefix-caching block pool on this scheduler; nothing installed")
+        log.info("kvfabric: no prefix-caching block pool; nothing installed")
         return None
-    block_size = int(getattr(scheduler, "block_size", 0) or getattr(pool, "hash_block_size", 16))
+    block_size = int(block_size or getattr(pool, "hash_block_size", 16))
     num_blocks = int(pool.num_gpu_blocks)
     buffer = EventBuffer(settings.buffer_events, settings.batch_events)
-    engine = engine_id(scheduler)
     tracker = LifecycleTracker(settings, num_blocks, block_size, engine, buffer)
     sink: Sink | None = None
-    if settings.lifecycle:
+    if settings.lifecycle and start_sink:
         metadata = {
             S.META_SCHEMA_VERSION: str(S.SCHEMA_VERSION),
             S.META_ENGINE: engine,
@@ -211,11 +232,31 @@ def install(scheduler: Any, settings: HookSettings) -> Installation | None:
     pool.__class__ = tracked_pool_class(type(pool))
     pool._kvfabric = tracker
     _wrap_manager(manager, tracker)
-    _wrap_step(scheduler, tracker)
     installation = Installation(tracker, sink)
+    manager._kvfabric = installation
+    return installation
+
+
+def install(scheduler: Any, settings: HookSettings) -> Installation | None:
+    """Attach the hook to a freshly built scheduler (its KVCacheManager, BlockPool and step counter)."""
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    if manager is None:
+        return None
+    engine = engine_id(scheduler)
+    installation = attach(manager, settings, block_size=getattr(scheduler, "block_size", None), engine=engine)
+    if installation is None:
+        return None
+    tracker = installation.tracker
+    _wrap_step(scheduler, tracker)
+    if settings.steers:
+        # Policies, the admission gate and cache-aware scheduling change vLLM's decisions; plain lifecycle
+        # recording (lru, no gate) never reaches this line, so it cannot change them.
+        from kvfabric.hook.steering import attach_steering
+
+        attach_steering(scheduler, manager.block_pool, tracker, settings)
     scheduler._kvfabric = installation
     log.info(
         "kvfabric: hook installed (engine=%s, blocks=%d, block_size=%d, policy=%s, sink=%s)",
-        engine, num_blocks, block_size, settings.policy, settings.sink if settings.lifecycle else "off",
+        engine, tracker.num_blocks, tracker.block_size, settings.policy, settings.sink if settings.lifecycle else "off",
     )
     return installation

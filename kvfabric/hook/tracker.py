@@ -136,6 +136,9 @@ class LifecycleTracker:
         # digest -> [evicted_ns, family, depth, regretted]; insertion order = eviction order.
         self.evicted: OrderedDict[int, list[Any]] = OrderedDict()
         self.regret_window_ns = int(settings.regret_window_s * 1e9)
+        # Steering, attached by kvfabric.hook.steering when a policy other than lru or the gate is on.
+        self.admission_gate: Any = None  # has .mask(tracker, request, blocks, start, end, vllm_mask) -> list[bool]
+        self.policy: Any = None  # the EvictionPolicy driving the free queue, if any
 
     # ---- plumbing -------------------------------------------------------------------------------------------
 
@@ -236,30 +239,40 @@ class LifecycleTracker:
     def on_step(self) -> None:
         self.step += 1
 
-    def on_admitted(self, request: Any, hit_tokens: int) -> None:
-        """A request was admitted (allocate_slots succeeded with nothing computed before): ``prefix_lookup``."""
-        now = self.clock()
+    def regret_candidates(self, request: Any, hit_tokens: int) -> list[list[Any]]:
+        """Eviction records of blocks this lookup wants but missed (DESIGN.md §5, regretful eviction).
+
+        Taken *before* vLLM allocates, because allocation seals (and so rebuilds) those very blocks. The walk
+        stopped at ``hit_tokens``; every wanted block from there on that was evicted within the window is a miss
+        that eviction caused.
+        """
+        evicted = self.evicted
         hashes = request.block_hashes
+        if not evicted or not hashes:
+            return []
+        horizon = self.clock() - self.regret_window_ns
+        found = []
+        for j in range(hit_tokens // self.block_size, len(hashes)):
+            rec = evicted.get(S.hash64(hashes[j]))
+            if rec is not None and not rec[3] and rec[0] >= horizon:
+                found.append(rec)
+        return found
+
+    def on_admitted(self, request: Any, hit_tokens: int, regret: list[list[Any]]) -> None:
+        """A request was admitted (allocate_slots succeeded with nothing computed before): ``prefix_lookup``."""
         regretful = 0
-        if self.evicted and hashes:
-            # Regretful eviction: an evicted digest this lookup wanted, within the window (DESIGN.md §5). The walk
-            # stopped at hit_blocks; every wanted block from there on that was evicted is a miss eviction caused.
-            evicted = self.evicted
-            horizon = now - self.regret_window_ns
-            for j in range(hit_tokens // self.block_size, len(hashes)):
-                rec = evicted.get(S.hash64(hashes[j]))
-                if rec is not None and not rec[3] and rec[0] >= horizon:
-                    rec[3] = True
-                    regretful += 1
+        for rec in regret:
+            if not rec[3]:
+                rec[3] = True  # each eviction regretted once
+                regretful += 1
         self._emit(
             S.PREFIX_LOOKUP,
             request_id=request.request_id,
             family=self.family_of(request),
-            depth=len(hashes),
+            depth=len(request.block_hashes),
             prompt_tokens=request.num_prompt_tokens,
             hit_tokens=hit_tokens,
             count=regretful,
-            ts_ns=now,
         )
 
     def on_allocated(self, blocks: Sequence[Any]) -> None:

@@ -1,0 +1,74 @@
+"""The ``kvfabric`` command.
+
+Each subcommand lives in the module that does the work and exposes ``configure(parser)`` (adds its arguments)
+and ``run(args) -> int`` (the exit status). This file only lists them, so ``kvfabric --help`` stays instant:
+modules are imported when their subcommand runs, never to print help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). Modules are imported lazily (vLLM's import alone takes ~12 s).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("kvfabric.demo", "run a built-in workload through vLLM's real scheduler on CPU and report (no GPU)"),
+    "collector": ("kvfabric.collector.cli", "run the collector: Unix-socket ingest, DuckDB, REST API, /metrics"),
+    "query": ("kvfabric.queries.cli", "run a named family-analytics query against a DuckDB file"),
+    "export": ("kvfabric.collector.export_cli", "export events to hive-partitioned Parquet (by run)"),
+    "replay": ("kvfabric.sim.replay", "replay a hash_ids trace through vLLM's real scheduler under a policy"),
+    "bench": ("kvfabric.bench.cli", "long-conversation pressure benchmark against an OpenAI-compatible server"),
+    "ab": ("kvfabric.bench.ab", "A/B: one scenario under two policies, reported side by side"),
+}
+
+_EPILOG = """\
+examples:
+  kvfabric demo                          # the whole stack on CPU, report at the end
+  kvfabric collector --db kv.duckdb      # serve ingest + REST on the default socket and 127.0.0.1:8321
+  kvfabric query run_summary --db kv.duckdb --run demo
+  kvfabric export --db kv.duckdb --out parquet/
+
+turn the hook on inside vLLM:  KVFABRIC_LIFECYCLE=1 vllm serve ...   (see README)
+"""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvfabric",
+        description="KVFabric: see and steer what happens to vLLM's KV cache.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == only:
+            importlib.import_module(module).configure(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in SUBCOMMANDS:
+        command = None
+    try:
+        parser = build_parser(only=command)
+    except ModuleNotFoundError as exc:
+        print(f"kvfabric {command}: not available in this install ({exc})", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
