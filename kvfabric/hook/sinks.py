@@ -61,7 +61,8 @@ class Sink:
         self.batch_events = batch_events
         self.flush_s = flush_ms / 1000.0
         self.seq = 0
-        self.sent_events = 0
+        self.sent_events = 0  # hook events delivered
+        self.sent_rows = 0  # rows delivered: events plus sink_dropped markers
         self.sent_batches = 0
         self.send_lost = 0  # events lost in writes that failed or at shutdown
         self.reported_lost = 0  # lost events already reported in a sink_dropped row that went out
@@ -142,6 +143,7 @@ class Sink:
                         return
                     continue
                 self.sent_events += n_events
+                self.sent_rows += len(chunk)
                 self.sent_batches += 1
                 if has_marker:
                     self.reported_lost += pending

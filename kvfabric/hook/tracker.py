@@ -65,7 +65,9 @@ class SideTable:
         "hits",
         "last_ns",
         "parent",
+        "parent_block",
         "protected",
+        "score",
         "share",
         "users",
     )
@@ -82,6 +84,11 @@ class SideTable:
         self.children: list[set[int] | None] = [None] * num_blocks
         self.last_ns: list[int] = [0] * num_blocks
         self.protected: list[bool] = [False] * num_blocks
+        # Steering (kvfabric.policies): the policy's retain score when the block last became a candidate, and the
+        # id of the block holding its parent when it was sealed (-1: root or unknown), so a policy can evict
+        # descendants before ancestors without a hash lookup.
+        self.score: list[float | None] = [None] * num_blocks
+        self.parent_block: list[int] = [-1] * num_blocks
 
     def reset(self, b: int) -> None:
         self.hash[b] = None
@@ -94,6 +101,8 @@ class SideTable:
         self.branch[b] = 0
         self.children[b] = None
         self.protected[b] = False
+        self.score[b] = None
+        self.parent_block[b] = -1
 
     def use(self, b: int, request_id: str | None) -> None:
         """Record a use of block ``b`` by ``request_id`` (share degree counts distinct users)."""
@@ -216,6 +225,7 @@ class LifecycleTracker:
             hit_count=t.hits[b],
             share_degree=t.share[b],
             branch_factor=t.branch[b],
+            retain_score=t.score[b],
             protected=t.protected[b],
             ts_ns=ts,
             **extra,
@@ -374,6 +384,7 @@ class LifecycleTracker:
             t.share[b] = 1
             t.users[b] = (rid,)
             t.last_ns[b] = now
+            t.parent_block[b] = -1 if parent_id is None else parent_id
             if parent_id is not None:
                 kids = t.children[parent_id]
                 if kids is None:
@@ -393,6 +404,17 @@ class LifecycleTracker:
             request_id=request.request_id,
             family=self.family_of(request),
             count=blocks_not_cached,
+        )
+
+    def on_candidates_ranked(self, count: int, retain_score: float | None, protected: bool) -> None:
+        """A ranking policy chose victims: one event per ``get_new_blocks`` call (bounded), ``count`` victims,
+        ``retain_score`` the highest score among them, ``protected`` whether it had to take a protected block."""
+        self._emit(
+            S.EVICTION_CANDIDATES_RANKED,
+            request_id=self._request_id(),
+            retain_score=retain_score,
+            protected=protected,
+            count=count,
         )
 
     def on_reset(self, ok: bool) -> None:

@@ -1,0 +1,279 @@
+"""``kvfabric demo``: the whole stack on one CPU machine, on embedded defaults.
+
+A real collector process (Unix socket ingest, DuckDB file, REST) is started; vLLM's real Scheduler runs a
+built-in workload with memory pressure through a simulated model, with the KVFabric plugin loaded through vLLM's
+own ``vllm.general_plugins`` mechanism; the hook streams events to the collector; the report is read back over
+REST, the events are exported to Parquet and counted back with DuckDB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kvfabric.config import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
+from kvfabric.policies import POLICY_NAMES
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file to write (default: ./kvfabric.duckdb)")
+    parser.add_argument("--policy", default="lru", choices=POLICY_NAMES, help="eviction policy (default: lru)")
+    parser.add_argument("--serve", action="store_true", help="keep the collector's REST API up after the report")
+    parser.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT,
+                        help=f"HTTP port of the collector (default {DEFAULT_HTTP_PORT}; a free one if taken)")
+    parser.add_argument("--parquet", default="kvfabric-parquet", help="Parquet export directory")
+    parser.add_argument("--run-id", default=None, help="run label (default: demo-<policy>-<time>)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (same seed, same run)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks of 16 tokens")
+    parser.add_argument("--json", action="store_true", help="print the run summary as JSON at the end")
+
+
+# ---- small helpers ---------------------------------------------------------------------------------------------
+
+
+def _free_port(preferred: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind((DEFAULT_HTTP_HOST, preferred))
+            return preferred
+        except OSError:
+            s.bind((DEFAULT_HTTP_HOST, 0))
+            return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class CollectorProcess:
+    """``python -m kvfabric.collector`` as a child process, stopped with SIGTERM (which flushes)."""
+
+    def __init__(self, db: str, sock: str, port: int, log_path: str) -> None:
+        self.db, self.sock, self.port, self.log_path = db, sock, port, log_path
+        self.url = f"http://{DEFAULT_HTTP_HOST}:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        log = open(self.log_path, "ab")  # the child process owns this file from here
+        cmd = [sys.executable, "-m", "kvfabric.collector", "--db", self.db, "--socket", self.sock,
+               "--host", DEFAULT_HTTP_HOST, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the collector exited with {self.proc.returncode}; see {self.log_path}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                if os.path.exists(self.sock) and get_json(self.url + "/healthz", timeout=2):
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"the collector did not become ready in {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+
+
+def run_workload(sock: str, run_id: str, policy: str, seed: int, num_blocks: int | None) -> dict[str, Any]:
+    """Run the demo workload through vLLM's real scheduler with the plugin streaming to ``sock``."""
+    from tqdm import tqdm
+
+    with _env(KVFABRIC_LIFECYCLE="1", KVFABRIC_SINK=f"unix://{sock}", KVFABRIC_RUN_ID=run_id,
+              KVFABRIC_EVICTION_POLICY=policy, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1"):
+        _say("  loading vLLM (about 10-15 s on 2 cores)...")
+        t0 = time.monotonic()
+        from kvfabric.sim.harness import SimulatedEngine
+        from kvfabric.sim.workload import DEMO_NUM_BLOCKS, demo_workload
+
+        blocks = num_blocks or DEMO_NUM_BLOCKS
+        engine = SimulatedEngine.create(blocks)  # build_scheduler loads vLLM's general plugins: ours included
+        installation = getattr(engine.scheduler, "_kvfabric", None)
+        if installation is None:
+            raise RuntimeError("the kvfabric plugin did not install itself into vLLM's scheduler "
+                               "(is the package installed, so that its vllm.general_plugins entry point exists?)")
+        items = demo_workload(seed)
+        engine.add_workload(items)
+        _say(f"  vLLM ready in {time.monotonic() - t0:.1f} s; workload: {len(items)} requests on "
+             f"{blocks} blocks x {engine.block_size} tokens")
+        with tqdm(total=len(items), unit="req", desc="  requests", leave=True, file=sys.stdout) as bar:
+            done = 0
+
+            def progress(_: Any) -> None:
+                nonlocal done
+                n = engine.stats.requests_finished
+                if n != done:
+                    bar.update(n - done)
+                    done = n
+
+            engine.run_until_done(progress)
+        sink = installation.sink
+        installation.close()  # flush every event to the collector
+        return {
+            "engine": engine.summary(),
+            "events_emitted": installation.tracker.buffer.total,
+            "events_sent": sink.sent_events if sink is not None else 0,
+            "rows_sent": sink.sent_rows if sink is not None else 0,
+            "events_lost": sink.lost_events if sink is not None else 0,
+        }
+
+
+def wait_ingested(url: str, run_id: str, rows: int, timeout: float = 60.0) -> int:
+    """Poll the collector until it has stored ``rows`` rows of ``run_id``; returns what it has."""
+    deadline = time.monotonic() + timeout
+    have = -1
+    while time.monotonic() < deadline:
+        runs = get_json(f"{url}/api/v1/runs")
+        items = runs["items"] if isinstance(runs, dict) else runs
+        have = next((int(r["events"]) for r in items if r["run_id"] == run_id), 0)
+        if have >= rows:
+            return have
+        time.sleep(0.2)
+    return have
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def print_report(summary: dict[str, Any], families: list[dict[str, Any]], policy: str) -> None:
+    s = summary
+    _say("")
+    _say(f"Run {s['run_id']}  (policy {policy})")
+    rows = [
+        ("prefix hit rate", f"{_pct(s['prefix_hit_rate'])}  ({s['prefix_hit_tokens']:,} of {s['prompt_tokens']:,} "
+                            "prompt tokens from cache)"),
+        ("evicted blocks", f"{s['evicted_blocks']:,}"),
+        ("shared-anchor eviction ratio", f"{_pct(s['shared_anchor_eviction_ratio'])}  (evicted blocks that 2+ "
+                                         "requests had used)"),
+        ("protected eviction ratio", _pct(s["protected_eviction_ratio"])),
+        ("rebuilt from eviction", f"{s['rebuilt_from_eviction_blocks']:,} blocks (evicted, then prefilled again)"),
+        ("regretful evictions", f"{s['regretful_evictions']:,} (evicted, then wanted within 60 s)"),
+        ("wasted prefill tokens", f"{s['wasted_prefill_tokens']:,}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        _say(f"  {k:<{width}}  {v}")
+    if families:
+        _say("")
+        _say("Top families by wasted prefill")
+        _say(f"  {'family':<20} {'requests':>8} {'hit rate':>9} {'evicted':>8} {'rebuilt':>8} {'wasted tok':>11}")
+        for f in families[:8]:
+            _say(f"  {str(f['family'])[:20]:<20} {f['requests']:>8,} {_pct(f.get('prefix_hit_rate')):>9} "
+                 f"{f['evicted_blocks']:>8,} {f['rebuilt_blocks']:>8,} {f['wasted_prefill_tokens']:>11,}")
+
+
+def export_and_count(db: str, out: str, run_id: str) -> dict[str, int]:
+    """Export to hive-partitioned Parquet and count the run's events back with DuckDB."""
+    import duckdb
+
+    from kvfabric.collector.export import export_parquet
+
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    export_parquet(db, out)
+    con = duckdb.connect()
+    try:
+        rows = con.execute(
+            "SELECT event, count(*) FROM read_parquet(?, hive_partitioning=true) WHERE run_id = ? GROUP BY 1",
+            [os.path.join(out, "events", "**", "*.parquet"), run_id],
+        ).fetchall()
+    finally:
+        con.close()
+    return {str(k): int(v) for k, v in rows}
+
+
+def run(args: argparse.Namespace) -> int:
+    db = os.path.abspath(args.db)
+    run_id = args.run_id or f"demo-{args.policy}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    workdir = tempfile.mkdtemp(prefix="kvfabric-demo-")
+    sock = os.path.join(workdir, "kvfabric.sock")
+    port = _free_port(args.port)
+    collector = CollectorProcess(db, sock, port, os.path.join(workdir, "collector.log"))
+    _say("KVFabric demo: vLLM's real scheduler on CPU with a simulated model; the hook streams to a real collector")
+    _say(f"  collector: db {db}, socket {sock}, {collector.url}")
+    t_start = time.monotonic()
+    try:
+        collector.start()
+        stats = run_workload(sock, run_id, args.policy, args.seed, args.num_blocks)
+        stored = wait_ingested(collector.url, run_id, stats["rows_sent"])
+        _say(f"  events: {stats['events_emitted']:,} emitted, {stats['events_sent']:,} sent, "
+             f"{stats['events_lost']:,} lost; {stored:,} rows stored in DuckDB")
+        summary = get_json(f"{collector.url}/api/v1/runs/{run_id}/summary")
+        fams = get_json(f"{collector.url}/api/v1/families?run={run_id}")
+        families = fams["items"] if isinstance(fams, dict) else fams
+        print_report(summary, families, args.policy)
+        collector.stop()  # DuckDB has one writer: the export reads the file once the collector has flushed it
+        counts = export_and_count(db, os.path.abspath(args.parquet), run_id)
+        _say("")
+        _say(f"Parquet: {sum(counts.values()):,} events of this run read back from {os.path.abspath(args.parquet)} "
+             f"({len(counts)} event types)")
+        _say(f"Database: {db}")
+        _say(f"  SQL:  duckdb {db} \"SELECT event, count(*) FROM events WHERE run_id = '{run_id}' GROUP BY 1\"")
+        _say(f"  CLI:  kvfabric query run_summary --db {db} --run {run_id}")
+        if args.json:
+            _say(json.dumps({"summary": summary, "parquet_counts": counts, "stats": stats}, default=str))
+        _say(f"Done in {time.monotonic() - t_start:.0f} s.")
+        if args.serve:
+            collector.start()
+            _say(f"API: {collector.url}/api/v1/runs/{run_id}/summary   docs: {collector.url}/docs   "
+                 f"metrics: {collector.url}/metrics   (Ctrl-C to stop)")
+            assert collector.proc is not None
+            collector.proc.wait()
+        else:
+            _say(f"API: run `kvfabric demo --serve` or `kvfabric collector --db {db}` and open "
+                 f"http://{DEFAULT_HTTP_HOST}:{DEFAULT_HTTP_PORT}/api/v1/runs/{run_id}/summary")
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        print(f"kvfabric demo: {exc}", file=sys.stderr)
+        log_path = Path(collector.log_path)
+        if log_path.exists():
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            print("collector log (last lines):\n  " + "\n  ".join(tail), file=sys.stderr)
+        return 1
+    finally:
+        collector.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
