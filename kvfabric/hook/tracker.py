@@ -34,7 +34,7 @@ _MAX_USERS = 8  # distinct request ids remembered per block; beyond it share_deg
 def request_family(request: Any, block_hashes: Sequence[Any], family_depth: int) -> str | None:
     """Family id of a request (DESIGN.md §5).
 
-    A hint wins: ``extra_args["kvfabric_family"]``, then a ``"<family>::<rest>"`` request-id convention; otherwise
+    A hint wins: ``extra_args["kvfabric_family"]``, then a ``"<family>/<rest>"`` request-id convention; otherwise
     the digest of the block at depth ``min(F, len-1)`` of the request's chain. Requests shorter than one block
     have no family (None).
     """
@@ -45,8 +45,8 @@ def request_family(request: Any, block_hashes: Sequence[Any], family_depth: int)
         if hint:
             return str(hint)
     rid = getattr(request, "request_id", "")
-    if "::" in rid:
-        return rid.split("::", 1)[0]
+    if "/" in rid:
+        return rid.split("/", 1)[0]
     if not block_hashes:
         return None
     h = S.hash64(block_hashes[min(family_depth, len(block_hashes) - 1)])
