@@ -21,7 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,14 +46,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 # ---- small helpers ---------------------------------------------------------------------------------------------
 
 
-def _free_port(preferred: int) -> int:
-    with socket.socket() as s:
-        try:
-            s.bind((DEFAULT_HTTP_HOST, preferred))
-            return preferred
-        except OSError:
-            s.bind((DEFAULT_HTTP_HOST, 0))
+def free_port(preferred: int) -> int:
+    """``preferred`` if it can be bound on loopback, else (or for 0) a free ephemeral port."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind((DEFAULT_HTTP_HOST, port))
+            except OSError:
+                continue
             return int(s.getsockname()[1])
+    raise RuntimeError("no free TCP port on loopback")
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
@@ -100,6 +102,24 @@ class CollectorProcess:
 
 
 @contextlib.contextmanager
+def _quiet_stderr() -> Iterator[Callable[[], list[str]]]:
+    """Send file descriptor 2 to a temporary file (torch logs from C++ and from handlers bound at import)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        lines: list[str] = []
+        try:
+            yield lambda: lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines.extend(tmp.read().decode(errors="replace").splitlines())
+
+
+@contextlib.contextmanager
 def _env(**values: str) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -121,14 +141,22 @@ def run_workload(sock: str, run_id: str, policy: str, seed: int, num_blocks: int
     from tqdm import tqdm
 
     with _env(KVFABRIC_LIFECYCLE="1", KVFABRIC_SINK=f"unix://{sock}", KVFABRIC_RUN_ID=run_id,
-              KVFABRIC_EVICTION_POLICY=policy, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1"):
+              KVFABRIC_EVICTION_POLICY=policy, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+              VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")):
         _say("  loading vLLM (about 10-15 s on 2 cores)...")
         t0 = time.monotonic()
-        from kvfabric.sim.harness import SimulatedEngine
+        # torch and vLLM print harmless CPU-only warnings at import (no CUDA runtime, no vllm._C): keep the
+        # report readable; real errors still surface.
         from kvfabric.sim.workload import DEMO_NUM_BLOCKS, demo_workload
 
         blocks = num_blocks or DEMO_NUM_BLOCKS
-        engine = SimulatedEngine.create(blocks)  # build_scheduler loads vLLM's general plugins: ours included
+        with _quiet_stderr() as noise:
+            from kvfabric.sim.harness import SimulatedEngine
+
+            engine = SimulatedEngine.create(blocks)  # build_scheduler loads vLLM's general plugins: ours included
+        for line in noise():
+            if "Traceback" in line or ("Error" in line and "vllm._C" not in line):
+                print(line, file=sys.stderr)
         installation = getattr(engine.scheduler, "_kvfabric", None)
         if installation is None:
             raise RuntimeError("the kvfabric plugin did not install itself into vLLM's scheduler "
@@ -229,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     run_id = args.run_id or f"demo-{args.policy}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     workdir = tempfile.mkdtemp(prefix="kvfabric-demo-")
     sock = os.path.join(workdir, "kvfabric.sock")
-    port = _free_port(args.port)
+    port = free_port(args.port)
     collector = CollectorProcess(db, sock, port, os.path.join(workdir, "collector.log"))
     _say("KVFabric demo: vLLM's real scheduler on CPU with a simulated model; the hook streams to a real collector")
     _say(f"  collector: db {db}, socket {sock}, {collector.url}")
