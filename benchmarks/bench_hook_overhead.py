@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvfabric.demo import CollectorProcess, free_port
+from kvfabric.collector import CollectorConfig, CollectorProcess
+from kvfabric.demo import free_port
 
 
 def run_mode(mode: str, sock: str, workload: list) -> tuple[float, int]:
@@ -91,7 +92,8 @@ def main() -> int:
     workload = demo_workload(seed=0)
     tmp = tempfile.mkdtemp(prefix="kvf-bench-")
     sock = os.path.join(tmp, "c.sock")
-    collector = CollectorProcess(os.path.join(tmp, "bench.duckdb"), sock, free_port(0), os.path.join(tmp, "c.log"))
+    collector = CollectorProcess(CollectorConfig(db_path=os.path.join(tmp, "bench.duckdb"), socket_path=sock,
+                                                 port=free_port(0)), log_path=os.path.join(tmp, "c.log"))
     collector.start()
     modes = ["plain", "recording", "streaming"]
     times: dict[str, list[float]] = {m: [] for m in modes}

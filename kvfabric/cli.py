@@ -15,9 +15,9 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Modules are imported lazily (vLLM's import alone takes ~12 s).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvfabric.demo", "run a built-in workload through vLLM's real scheduler on CPU and report (no GPU)"),
-    "collector": ("kvfabric.collector.cli", "run the collector: Unix-socket ingest, DuckDB, REST API, /metrics"),
-    "query": ("kvfabric.queries.cli", "run a named family-analytics query against a DuckDB file"),
-    "export": ("kvfabric.collector.export_cli", "export events to hive-partitioned Parquet (by run)"),
+    "collector": ("kvfabric.collector.main", "run the collector: Unix-socket ingest, DuckDB, REST API, /metrics"),
+    "query": ("kvfabric.collector.query", "run a named family-analytics query against a DuckDB file"),
+    "export": ("kvfabric.collector.export", "export events to hive-partitioned Parquet (by run)"),
     "replay": ("kvfabric.sim.replay", "replay a hash_ids trace through vLLM's real scheduler under a policy"),
     "bench": ("kvfabric.bench.cli", "long-conversation pressure benchmark against an OpenAI-compatible server"),
     "ab": ("kvfabric.bench.ab", "A/B: one scenario under two policies, reported side by side"),

@@ -13,9 +13,7 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvfabric.collector import CollectorConfig, CollectorProcess
 from kvfabric.config import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
 from kvfabric.policies import POLICY_NAMES
 
@@ -65,40 +64,6 @@ def get_json(url: str, timeout: float = 10.0) -> Any:
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
-
-
-class CollectorProcess:
-    """``python -m kvfabric.collector`` as a child process, stopped with SIGTERM (which flushes)."""
-
-    def __init__(self, db: str, sock: str, port: int, log_path: str) -> None:
-        self.db, self.sock, self.port, self.log_path = db, sock, port, log_path
-        self.url = f"http://{DEFAULT_HTTP_HOST}:{port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 60.0) -> None:
-        log = open(self.log_path, "ab")  # the child process owns this file from here
-        cmd = [sys.executable, "-m", "kvfabric.collector", "--db", self.db, "--socket", self.sock,
-               "--host", DEFAULT_HTTP_HOST, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the collector exited with {self.proc.returncode}; see {self.log_path}")
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                if os.path.exists(self.sock) and get_json(self.url + "/healthz", timeout=2):
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"the collector did not become ready in {timeout:.0f} s; see {self.log_path}")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @contextlib.contextmanager
@@ -258,18 +223,20 @@ def run(args: argparse.Namespace) -> int:
     workdir = tempfile.mkdtemp(prefix="kvfabric-demo-")
     sock = os.path.join(workdir, "kvfabric.sock")
     port = free_port(args.port)
-    collector = CollectorProcess(db, sock, port, os.path.join(workdir, "collector.log"))
+    log_path = os.path.join(workdir, "collector.log")
+    collector = CollectorProcess(CollectorConfig(db_path=db, socket_path=sock, port=port), log_path=log_path,
+                                 ready_timeout=60.0)
     _say("KVFabric demo: vLLM's real scheduler on CPU with a simulated model; the hook streams to a real collector")
-    _say(f"  collector: db {db}, socket {sock}, {collector.url}")
+    _say(f"  collector: db {db}, socket {sock}, {collector.http_url}")
     t_start = time.monotonic()
     try:
         collector.start()
         stats = run_workload(sock, run_id, args.policy, args.seed, args.num_blocks)
-        stored = wait_ingested(collector.url, run_id, stats["rows_sent"])
+        stored = wait_ingested(collector.http_url, run_id, stats["rows_sent"])
         _say(f"  events: {stats['events_emitted']:,} emitted, {stats['events_sent']:,} sent, "
              f"{stats['events_lost']:,} lost; {stored:,} rows stored in DuckDB")
-        summary = get_json(f"{collector.url}/api/v1/runs/{run_id}/summary")
-        fams = get_json(f"{collector.url}/api/v1/families?run={run_id}")
+        summary = get_json(f"{collector.http_url}/api/v1/runs/{run_id}/summary")
+        fams = get_json(f"{collector.http_url}/api/v1/families?run={run_id}")
         families = fams["items"] if isinstance(fams, dict) else fams
         print_report(summary, families, args.policy)
         collector.stop()  # DuckDB has one writer: the export reads the file once the collector has flushed it
@@ -285,8 +252,8 @@ def run(args: argparse.Namespace) -> int:
         _say(f"Done in {time.monotonic() - t_start:.0f} s.")
         if args.serve:
             collector.start()
-            _say(f"API: {collector.url}/api/v1/runs/{run_id}/summary   docs: {collector.url}/docs   "
-                 f"metrics: {collector.url}/metrics   (Ctrl-C to stop)")
+            _say(f"API: {collector.http_url}/api/v1/runs/{run_id}/summary   docs: {collector.http_url}/docs   "
+                 f"metrics: {collector.http_url}/metrics   (Ctrl-C to stop)")
             assert collector.proc is not None
             collector.proc.wait()
         else:
@@ -297,11 +264,11 @@ def run(args: argparse.Namespace) -> int:
         return 130
     except Exception as exc:
         print(f"kvfabric demo: {exc}", file=sys.stderr)
-        log_path = Path(collector.log_path)
-        if log_path.exists():
-            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        if Path(log_path).exists():
+            tail = Path(log_path).read_text(errors="replace").splitlines()[-15:]
             print("collector log (last lines):\n  " + "\n  ".join(tail), file=sys.stderr)
         return 1
     finally:
-        collector.stop()
+        if collector.proc is not None:
+            collector.stop()
         shutil.rmtree(workdir, ignore_errors=True)

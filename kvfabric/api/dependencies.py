@@ -1,0 +1,32 @@
+"""Request dependencies: the query runner and the optional bearer token."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from kvfabric.queries import QueryRunner
+
+_bearer = HTTPBearer(auto_error=False, description="set when the collector runs with a token")
+
+
+def get_runner(request: Request) -> QueryRunner:
+    return request.app.state.runner
+
+
+def require_token(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """401 unless the app has no token or the request carries ``Authorization: Bearer <token>``."""
+    expected: str | None = request.app.state.token
+    if not expected:
+        return
+    given = credentials.credentials if credentials is not None else ""
+    # Constant-time comparison: the token must not leak through response timing.
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )

@@ -1,0 +1,142 @@
+"""Response models of the REST API (the JSON shapes are the contract; OpenAPI at /docs is generated from these).
+
+Conventions: ``*_ns`` are nanoseconds since the epoch (int64), ``*_s`` seconds; block hashes are signed 64-bit
+integers as stored (``block_hash_hex`` gives the 16-hex-digit form family ids use). Ratios are 0 when their
+denominator is 0; a mean over no samples is null.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx answer: ``detail`` is one human sentence; ``errors`` lists parameter problems on 422."""
+
+    detail: str
+    errors: list[dict[str, object]] | None = None
+
+
+class RunInfo(BaseModel):
+    run_id: str
+    engines: list[str]
+    policies: list[str]
+    first_ts_ns: int | None = Field(description="oldest event time in the run (null before any event)")
+    last_ts_ns: int | None
+    events: int
+    streams: int
+    sequence_gaps: int = Field(description="batches lost between sinks and the collector (per-stream seq jumps)")
+
+
+class RunSummary(BaseModel):
+    """DESIGN.md §5 for one run. The first ten fields are the contract; the rest are context."""
+
+    run_id: str
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    evicted_blocks: int
+    shared_anchor_eviction_ratio: float
+    protected_eviction_ratio: float
+    rebuilt_from_eviction_blocks: int
+    regretful_evictions: int
+    wasted_prefill_tokens: int
+    requests: int = Field(description="admissions (prefix_lookup rows)")
+    events: int
+    shared_anchor_evictions: int
+    protected_evictions: int
+    mean_time_to_rebuild_s: float | None
+    admission_limited_blocks: int
+    sink_dropped_events: int
+    block_size: int
+    engines: list[str]
+    policies: list[str]
+    sequence_gaps: int
+    first_ts_ns: int | None
+    last_ts_ns: int | None
+    events_by_type: dict[str, int]
+
+
+class FamilyStats(BaseModel):
+    run_id: str
+    family: str | None
+    requests: int
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    evicted_blocks: int
+    shared_anchor_evictions: int
+    shared_anchor_eviction_ratio: float
+    protected_evictions: int
+    rebuilt_blocks: int
+    wasted_prefill_tokens: int
+    mean_time_to_rebuild_s: float | None
+    regretful_evictions: int
+
+
+class DepthStats(BaseModel):
+    depth: int | None
+    evicted_blocks: int
+    shared_anchor_evictions: int
+    rebuilt_blocks: int
+
+
+class FamilyDetail(FamilyStats):
+    by_depth: list[DepthStats]
+
+
+class EventRow(BaseModel):
+    """One stored event; ``row_key`` is the storage order tie-breaker used by cursors."""
+
+    row_key: int
+    ts_ns: int
+    run_id: str | None
+    engine: str | None
+    seq: int
+    step: int | None
+    request_id: str | None
+    block_id: int | None
+    block_hash: int | None
+    parent_hash: int | None
+    family: str | None
+    depth: int | None
+    ref_count: int | None
+    hit_count: int | None
+    share_degree: int | None
+    branch_factor: int | None
+    retain_score: float | None
+    protected: bool | None
+    policy: str | None
+    age_ns: int | None
+
+
+class EvictionPage(BaseModel):
+    items: list[EventRow]
+    next_cursor: str | None = Field(description="pass as ?cursor= (same filters) for the next page; null at the end")
+
+
+class BlockEvent(EventRow):
+    event: str
+    count: int | None
+
+
+class BlockHistory(BaseModel):
+    block_hash: int
+    block_hash_hex: str
+    events: list[BlockEvent]
+
+
+class Comparison(BaseModel):
+    a: RunSummary
+    b: RunSummary
+    delta: dict[str, float] = Field(description="b - a for every numeric summary field")
+
+
+class Health(BaseModel):
+    status: str
+    db_path: str | None = None
+    socket_path: str | None = None
+    open_streams: int | None = None
+    writer_queue_rows: int | None = None
+    commits: int | None = None
+    problem: str | None = None

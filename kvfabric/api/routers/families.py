@@ -1,0 +1,40 @@
+"""/api/v1/families, /api/v1/families/{family}."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from kvfabric.api.dependencies import get_runner
+from kvfabric.api.models import ErrorBody, FamilyDetail, FamilyStats
+from kvfabric.queries import MAX_LIMIT, QueryRunner
+
+router = APIRouter(tags=["families"])
+Runner = Annotated[QueryRunner, Depends(get_runner)]
+
+
+@router.get(
+    "/families",
+    response_model=list[FamilyStats],
+    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}},
+    summary="Prefix families by wasted prefill (most first)",
+)
+def list_families(
+    runner: Runner,
+    run: Annotated[str | None, Query(description="run id; every run when omitted (slower)")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 100,
+) -> list[dict[str, object]]:
+    return runner.families(run=run, limit=limit)
+
+
+@router.get(
+    "/families/{family}",
+    response_model=FamilyDetail,
+    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}},
+    summary="One family of one run, with evictions and rebuilds by depth",
+)
+def family_detail(
+    family: str, runner: Runner, run: Annotated[str, Query(min_length=1, description="run id")]
+) -> dict[str, object]:
+    return runner.family_detail(run=run, family=family)

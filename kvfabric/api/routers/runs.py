@@ -1,0 +1,43 @@
+"""/api/v1/runs, /api/v1/runs/{run_id}/summary, /api/v1/compare."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from kvfabric.api.dependencies import get_runner
+from kvfabric.api.models import Comparison, ErrorBody, RunInfo, RunSummary
+from kvfabric.queries import QueryRunner
+
+router = APIRouter(tags=["runs"])
+Runner = Annotated[QueryRunner, Depends(get_runner)]
+
+
+@router.get("/runs", response_model=list[RunInfo], summary="Every run seen by this collector")
+def list_runs(runner: Runner) -> list[dict[str, object]]:
+    return runner.runs()
+
+
+@router.get(
+    "/runs/{run_id}/summary",
+    response_model=RunSummary,
+    responses={404: {"model": ErrorBody}},
+    summary="Analytics summary of one run (DESIGN.md §5)",
+)
+def run_summary(run_id: str, runner: Runner) -> dict[str, object]:
+    return runner.run_summary(run_id)
+
+
+@router.get(
+    "/compare",
+    response_model=Comparison,
+    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}},
+    summary="Two runs side by side, with b - a deltas",
+)
+def compare(
+    runner: Runner,
+    a: Annotated[str, Query(min_length=1, description="baseline run id")],
+    b: Annotated[str, Query(min_length=1, description="run compared with a")],
+) -> dict[str, object]:
+    return runner.compare(a, b)

@@ -1,0 +1,3 @@
+from kvfabric.collector.main import main
+
+raise SystemExit(main())

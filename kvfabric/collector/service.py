@@ -1,0 +1,149 @@
+"""The collector: ingest (socket -> DuckDB) and the HTTP API in one process, started and stopped as one.
+
+Start order: database + writer, socket server, HTTP; then one ready line. Stop order: HTTP (no new queries),
+socket server drain, writer flush + CHECKPOINT, database close. The writer's DuckDB connection is the only one
+that writes; HTTP queries use cursors of the same database instance (the file lock allows no other process).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from types import FrameType
+
+import uvicorn
+
+from kvfabric.api import create_app
+from kvfabric.collector.config import CollectorConfig
+from kvfabric.ingest import CollectorMetrics, IngestPipeline
+from kvfabric.queries import QueryRunner
+
+log = logging.getLogger("kvfabric.collector")
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class Collector:
+    """One collector. ``start()``/``stop()`` run it on background threads (tests, ``kvfabric demo``);
+    ``serve_forever()`` runs it until SIGTERM/SIGINT (the process form)."""
+
+    def __init__(self, config: CollectorConfig) -> None:
+        self.config = config
+        self.metrics = CollectorMetrics(config.max_label_runs)
+        self.pipeline = IngestPipeline(config.ingest_settings(), self.metrics)
+        self._http_sock: socket.socket | None = None
+        self._http_server: uvicorn.Server | None = None
+        self._http_thread: threading.Thread | None = None
+        self._started = False
+        self.http_url: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start everything; returns once the socket accepts and HTTP answers. Raises on any startup failure."""
+        self.pipeline.start()
+        try:
+            if self.config.http:
+                self._start_http()
+        except BaseException:
+            self.pipeline.stop()
+            raise
+        self._started = True
+        self.metrics.up.set(1)
+        log.info(
+            "kvfabric collector: socket=%s http=%s db=%s",
+            self.config.socket_path, self.http_url or "off", self.config.db_path,
+        )
+
+    def _start_http(self) -> None:
+        runner = QueryRunner(self.pipeline.reader_connection)
+        app = create_app(
+            runner, registry=self.metrics.registry, health=self.health, token=self.config.resolved_token() or ""
+        )  # "" (not None): the config already consulted $KVFABRIC_API_TOKEN; empty means no auth
+        sock = _bind_tcp(self.config.host, self.config.port)
+        self._http_sock = sock
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        self.http_url = f"http://{shown}:{port}"
+        # log_config=None: leave logging to the process (uvicorn would otherwise install its own handlers).
+        cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=3)
+        server = uvicorn.Server(cfg)
+        self._http_server = server
+        self._http_thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="kvfabric-http", daemon=True
+        )
+        self._http_thread.start()
+        deadline = time.monotonic() + 15.0
+        while not server.started:
+            if not self._http_thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP server did not start on {self.http_url}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stop in the order of the module docstring; everything received is committed. Idempotent."""
+        self.metrics.up.set(0)
+        if self._http_server is not None:
+            self._http_server.should_exit = True
+            if self._http_thread is not None:
+                self._http_thread.join(10.0)
+            self._http_server = None
+        if self._http_sock is not None:
+            self._http_sock.close()
+            self._http_sock = None
+        self.pipeline.stop()
+        if self._started:
+            log.info("kvfabric collector stopped; db=%s flushed", self.config.db_path)
+            self._started = False
+
+    def __enter__(self) -> Collector:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def serve_forever(self) -> None:
+        """Start, serve until SIGTERM or SIGINT, then stop (flushing). Call from the main thread."""
+        stop = threading.Event()
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("received %s, flushing and stopping", signal.Signals(signum).name)
+            stop.set()
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            while not stop.wait(0.5):
+                pass
+        finally:
+            self.stop()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    # -- introspection --------------------------------------------------------------------------------------
+    def health(self) -> dict[str, object]:
+        """/healthz body: ``status`` is ``ok`` while the writer thread lives, else ``failing`` (HTTP 503)."""
+        writer = self.pipeline.writer
+        server = self.pipeline.server
+        body: dict[str, object] = {
+            "status": "ok",
+            "db_path": self.config.db_path,
+            "socket_path": self.config.socket_path,
+            "open_streams": server.open_connections if server else 0,
+            "writer_queue_rows": writer.pending_rows if writer else 0,
+            "commits": writer.commits if writer else 0,
+        }
+        if writer is None or not writer.alive:
+            body["status"] = "failing"
+            body["problem"] = f"writer not running ({writer.failed if writer else 'stopped'})"
+        return body

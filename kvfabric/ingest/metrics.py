@@ -1,0 +1,163 @@
+"""The collector's Prometheus metrics (the contract is docs/metrics.md: names, types and labels are public).
+
+One :class:`CollectorMetrics` per collector, on its own registry (no process/platform collectors, no ``_created``
+series), so ``/metrics`` exposes exactly the documented families.
+
+Analytics counters are advanced by the writer *after* the rows they describe committed, from one aggregate query
+over the inserted Arrow table (never per row in Python), so a counter never runs ahead of the database.
+Label cardinality is bounded: at most ``max_label_runs`` distinct ``run`` values, later runs share ``_other``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvfabric import schema as S
+from kvfabric.ingest.errors import BAD_STREAM_REASONS
+
+OTHER_RUNS = "_other"
+DEFAULT_MAX_LABEL_RUNS = 64
+
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
+INSERT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+# The "_created" samples are not part of the contract; they would double the series count for nothing.
+prometheus_client.disable_created_metrics()
+
+
+@dataclass(frozen=True)
+class CommitAggregate:
+    """Per (run, engine, event) sums over one committed insert, as computed by the writer's aggregate query."""
+
+    run_id: str | None
+    engine: str | None
+    event: str
+    rows: int
+    prompt_tokens: int
+    hit_tokens: int
+    count_sum: int
+    shared_anchor: int
+    protected: int
+
+
+def max_label_runs_from_env() -> int:
+    raw = os.environ.get("KVFABRIC_MAX_LABEL_RUNS", "")
+    try:
+        return max(1, int(raw)) if raw else DEFAULT_MAX_LABEL_RUNS
+    except ValueError:
+        return DEFAULT_MAX_LABEL_RUNS
+
+
+class CollectorMetrics:
+    """Every metric of docs/metrics.md, plus the helpers the ingest pipeline uses to advance them."""
+
+    def __init__(self, max_label_runs: int | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._max_runs = max_label_runs if max_label_runs is not None else max_label_runs_from_env()
+        self._runs: set[str] = set()
+        self._lock = threading.Lock()
+        r = self.registry
+        re_ = ["run", "engine"]
+        self.events = Counter("kvfabric_events_total", "Events ingested", [*re_, "event"], registry=r)
+        self.prompt_tokens = Counter(
+            "kvfabric_prompt_tokens_total", "Prompt tokens over admissions (prefix_lookup.prompt_tokens)", re_,
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "kvfabric_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", re_, registry=r
+        )
+        self.evicted_blocks = Counter(
+            "kvfabric_evicted_blocks_total", "Evicted blocks by kind (shared_anchor: share_degree >= 2)",
+            [*re_, "kind"], registry=r,
+        )
+        self.protected_evictions = Counter(
+            "kvfabric_protected_evictions_total", "Evictions of blocks the policy marked protected", re_, registry=r
+        )
+        self.rebuilt_blocks = Counter(
+            "kvfabric_rebuilt_blocks_total", "Rebuilt-from-eviction blocks (block_rebuilt)", re_, registry=r
+        )
+        self.regretful_evictions = Counter(
+            "kvfabric_regretful_evictions_total", "Regretful evictions (sum of prefix_lookup.count)", re_, registry=r
+        )
+        self.wasted_prefill_tokens = Counter(
+            "kvfabric_wasted_prefill_tokens_total", "Block size x rebuilt blocks", re_, registry=r
+        )
+        self.admission_limited_blocks = Counter(
+            "kvfabric_admission_limited_blocks_total", "Blocks the admission gate kept out of the cache", re_,
+            registry=r,
+        )
+        self.sink_dropped_events = Counter(
+            "kvfabric_sink_dropped_events_total", "Events the hook's sink had to drop", re_, registry=r
+        )
+        self.ingest_rows = Counter("kvfabric_ingest_rows_total", "Rows written to DuckDB", registry=r)
+        self.ingest_batches = Counter("kvfabric_ingest_batches_total", "Arrow batches received", registry=r)
+        self.insert_duration = Histogram(
+            "kvfabric_insert_duration_seconds", "Time of one coalesced DuckDB insert", buckets=INSERT_BUCKETS,
+            registry=r,
+        )
+        self.ingest_lag = Histogram(
+            "kvfabric_ingest_lag_seconds", "Event ts_ns to commit of its row (per received batch: its oldest row)",
+            buckets=LAG_BUCKETS, registry=r,
+        )
+        self.sequence_gaps = Counter(
+            "kvfabric_sequence_gaps_total", "Batches missing according to per-stream sequence numbers", registry=r
+        )
+        self.bad_streams = Counter(
+            "kvfabric_bad_streams_total", "Streams refused or cut, by reason", ["reason"], registry=r
+        )
+        for reason in BAD_STREAM_REASONS:  # every reason shows as 0 from the start: alert rules need the series
+            self.bad_streams.labels(reason=reason)
+        self.open_streams = Gauge("kvfabric_open_streams", "Connected sink streams", registry=r)
+        self.db_size = Gauge("kvfabric_db_size_bytes", "Size of the DuckDB file and its WAL", registry=r)
+        self.writer_queue_rows = Gauge(
+            "kvfabric_writer_queue_rows", "Rows received but not yet committed", registry=r
+        )
+        self.up = Gauge("kvfabric_up", "1 while the collector serves", registry=r)
+
+    def bind_gauges(self, db_size: Callable[[], float], queue_rows: Callable[[], float]) -> None:
+        """Gauges read at scrape time (no thread has to keep them fresh)."""
+        self.db_size.set_function(db_size)
+        self.writer_queue_rows.set_function(queue_rows)
+
+    def run_label(self, run_id: str | None) -> str:
+        """``run_id`` itself for the first ``max_label_runs`` runs seen, ``_other`` after that."""
+        run = run_id or ""
+        with self._lock:
+            if run in self._runs:
+                return run
+            if len(self._runs) < self._max_runs:
+                self._runs.add(run)
+                return run
+        return OTHER_RUNS
+
+    def record_commit(self, aggregates: Iterable[CommitAggregate], block_size: Callable[[str, str], int]) -> None:
+        """Advance the analytics counters for rows that just committed.
+
+        ``block_size(run_id, engine)`` gives the block size of the stream(s) that carried those rows, the same
+        join the SQL ``wasted_prefill_tokens`` uses, so the metric and the query agree.
+        """
+        for a in aggregates:
+            run = self.run_label(a.run_id)
+            engine = a.engine or ""
+            self.events.labels(run, engine, a.event).inc(a.rows)
+            if a.event == S.PREFIX_LOOKUP:
+                self.prompt_tokens.labels(run, engine).inc(a.prompt_tokens)
+                self.prefix_hit_tokens.labels(run, engine).inc(a.hit_tokens)
+                self.regretful_evictions.labels(run, engine).inc(a.count_sum)
+            elif a.event == S.BLOCK_EVICTED:
+                self.evicted_blocks.labels(run, engine, "shared_anchor").inc(a.shared_anchor)
+                self.evicted_blocks.labels(run, engine, "private_tail").inc(a.rows - a.shared_anchor)
+                self.protected_evictions.labels(run, engine).inc(a.protected)
+            elif a.event == S.BLOCK_REBUILT:
+                self.rebuilt_blocks.labels(run, engine).inc(a.rows)
+                self.wasted_prefill_tokens.labels(run, engine).inc(a.rows * block_size(a.run_id or "", engine))
+            elif a.event == S.CACHE_ADMISSION_LIMITED:
+                self.admission_limited_blocks.labels(run, engine).inc(a.count_sum)
+            elif a.event == S.SINK_DROPPED:
+                self.sink_dropped_events.labels(run, engine).inc(a.count_sum)

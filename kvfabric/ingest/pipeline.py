@@ -1,0 +1,109 @@
+"""receiver -> queue -> writer, wired: the whole ingest side of the collector as one object.
+
+Order matters at both ends: the writer starts before the socket accepts anything, and on stop the socket server
+drains first (its connections may still be queueing batches), then the writer commits what is queued. That order
+is what "nothing acknowledged is lost" rests on.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import duckdb
+
+from kvfabric.ingest.connection import IngestContext
+from kvfabric.ingest.metrics import CollectorMetrics
+from kvfabric.ingest.queue import BatchQueue
+from kvfabric.ingest.server import StreamServer
+from kvfabric.ingest.store import db_size_bytes, open_database
+from kvfabric.ingest.validate import BatchLimits
+from kvfabric.ingest.writer import EventWriter
+
+
+@dataclass(frozen=True)
+class IngestSettings:
+    """Knobs of the ingest side (the collector's CLI flags map onto these)."""
+
+    db_path: str
+    socket_path: str
+    socket_mode: int = 0o600
+    max_connections: int = 64
+    handshake_timeout_s: float = 10.0
+    drain_timeout_s: float = 5.0
+    max_batch_rows: int = 1_000_000
+    max_batch_bytes: int = 256 * 1024 * 1024
+    queue_max_rows: int = 2_000_000
+    queue_max_bytes: int = 512 * 1024 * 1024
+    coalesce_rows: int = 245_760
+    coalesce_ms: int = 100
+
+
+class IngestPipeline:
+    """Owns the read-write DuckDB connection, the writer thread and the socket server."""
+
+    def __init__(self, settings: IngestSettings, metrics: CollectorMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.con: duckdb.DuckDBPyConnection | None = None
+        self.writer: EventWriter | None = None
+        self.server: StreamServer | None = None
+        self.queue = BatchQueue(settings.queue_max_rows, settings.queue_max_bytes)
+        self._readers_parent: duckdb.DuckDBPyConnection | None = None
+        self._readers_lock = threading.Lock()
+
+    def start(self) -> None:
+        s = self.settings
+        self.con = open_database(s.db_path)
+        # Reader connections are made from a parent that no query ever runs on, under a lock, so they never touch
+        # the writer's connection object from another thread.
+        self._readers_parent = self.con.cursor()
+        self.writer = EventWriter(
+            self.con, self.queue, self.metrics, coalesce_rows=s.coalesce_rows, coalesce_s=s.coalesce_ms / 1000
+        )
+        writer = self.writer
+        self.metrics.bind_gauges(lambda: db_size_bytes(s.db_path), lambda: writer.pending_rows)
+        self.writer.start()
+        ctx = IngestContext(
+            queue=self.queue,
+            metrics=self.metrics,
+            limits=BatchLimits(max_rows=s.max_batch_rows, max_bytes=s.max_batch_bytes),
+            handshake_timeout_s=s.handshake_timeout_s,
+            stopping=threading.Event(),
+            drain_deadline=[float("inf")],
+        )
+        self.server = StreamServer(
+            s.socket_path, ctx, max_connections=s.max_connections, socket_mode=s.socket_mode
+        )
+        try:
+            self.server.start()
+        except BaseException:
+            self.server = None
+            self.stop()
+            raise
+
+    def reader_connection(self) -> duckdb.DuckDBPyConnection:
+        """A new connection to the same database instance, for read-only queries in this process.
+
+        DuckDB's MVCC gives it a consistent snapshot per query while the writer commits concurrently.
+        """
+        with self._readers_lock:
+            if self._readers_parent is None:
+                raise RuntimeError("the ingest pipeline is not running")
+            return self._readers_parent.cursor()
+
+    def stop(self) -> None:
+        """Drain the socket, commit the queue, checkpoint and close the database. Idempotent."""
+        if self.server is not None:
+            self.server.stop(self.settings.drain_timeout_s)
+            self.server = None
+        if self.writer is not None:
+            self.writer.stop()
+            self.writer = None
+        with self._readers_lock:
+            if self._readers_parent is not None:
+                self._readers_parent.close()
+                self._readers_parent = None
+        if self.con is not None:
+            self.con.close()
+            self.con = None

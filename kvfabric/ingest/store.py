@@ -1,0 +1,153 @@
+"""The DuckDB file: table definitions, opening, and the stream state a restarted collector resumes from.
+
+Tables (created if missing, never altered):
+
+``events``
+    One row per event, columns = :data:`kvfabric.schema.COLUMNS` with the schema's types; append-only (nothing
+    ever deletes or updates a row, which keeps ``rowid`` a stable tie-breaker for keyset pagination).
+``streams``
+    One row per stream id: its metadata and ingest accounting (batches, rows, last_seq, gaps). Rewritten by the
+    writer in the same transaction as the events it accounts for, so after any crash or restart ``last_seq`` and
+    ``rows`` describe exactly the committed events, and gap detection resumes from there.
+``kvfabric_meta``
+    Key/value facts about the file (schema version), checked on open.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import duckdb
+import pyarrow as pa
+
+from kvfabric import schema as S
+
+_DUCKDB_TYPES: dict[pa.DataType, str] = {
+    pa.int64(): "BIGINT",
+    pa.int32(): "INTEGER",
+    pa.string(): "VARCHAR",
+    pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN",
+}
+
+
+def quote(name: str) -> str:
+    """A SQL identifier (column names such as ``count`` are keywords)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def events_ddl() -> str:
+    """CREATE TABLE for ``events``, derived from EVENT_SCHEMA so the two cannot drift."""
+    cols = []
+    for f in S.EVENT_SCHEMA:
+        not_null = "" if f.nullable else " NOT NULL"
+        cols.append(f"{quote(f.name)} {_DUCKDB_TYPES[f.type]}{not_null}")
+    return "CREATE TABLE IF NOT EXISTS events (" + ", ".join(cols) + ")"
+
+
+@dataclass
+class StreamState:
+    """One ``streams`` row. ``last_seq`` is -1 before the first batch; ``gaps`` counts batches never received."""
+
+    stream_id: str
+    run_id: str
+    engine: str
+    vllm_version: str | None
+    block_size: int
+    num_blocks: int
+    policy: str
+    settings: str | None
+    schema_version: int
+    peer: str
+    first_seen_ns: int
+    last_seen_ns: int
+    connections: int = 0
+    batches: int = 0
+    rows: int = 0
+    last_seq: int = -1
+    gaps: int = 0
+    seq_resets: int = 0
+    first_ts_ns: int | None = None
+    last_ts_ns: int | None = None
+
+
+STREAMS_SCHEMA = pa.schema(
+    [
+        ("stream_id", pa.string()),
+        ("run_id", pa.string()),
+        ("engine", pa.string()),
+        ("vllm_version", pa.string()),
+        ("block_size", pa.int32()),
+        ("num_blocks", pa.int64()),
+        ("policy", pa.string()),
+        ("settings", pa.string()),
+        ("schema_version", pa.int32()),
+        ("peer", pa.string()),
+        ("first_seen_ns", pa.int64()),
+        ("last_seen_ns", pa.int64()),
+        ("connections", pa.int64()),
+        ("batches", pa.int64()),
+        ("rows", pa.int64()),
+        ("last_seq", pa.int64()),
+        ("gaps", pa.int64()),
+        ("seq_resets", pa.int64()),
+        ("first_ts_ns", pa.int64()),
+        ("last_ts_ns", pa.int64()),
+    ]
+)
+assert [f.name for f in STREAMS_SCHEMA] == [f.name for f in fields(StreamState)]
+
+
+def streams_ddl() -> str:
+    cols = ", ".join(f"{quote(f.name)} {_DUCKDB_TYPES[f.type]}" for f in STREAMS_SCHEMA)
+    return f"CREATE TABLE IF NOT EXISTS streams ({cols})"
+
+
+class IncompatibleDatabase(RuntimeError):
+    """The file was written by a collector of another schema version."""
+
+
+def open_database(path: str) -> duckdb.DuckDBPyConnection:
+    """Open (creating if needed) the collector's database read-write and ensure its tables.
+
+    DuckDB lets one process open a file read-write; a second collector (or ``kvfabric query``) on the same file
+    fails here with DuckDB's lock error, which names the holding process.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    con = duckdb.connect(path)
+    con.execute("CREATE TABLE IF NOT EXISTS kvfabric_meta (key VARCHAR, value VARCHAR)")
+    row = con.execute("SELECT value FROM kvfabric_meta WHERE key = 'schema_version'").fetchone()
+    if row is None:
+        con.execute("INSERT INTO kvfabric_meta VALUES ('schema_version', ?)", [str(S.SCHEMA_VERSION)])
+    elif row[0] != str(S.SCHEMA_VERSION):
+        con.close()
+        raise IncompatibleDatabase(
+            f"{path} holds schema version {row[0]}, this collector writes {S.SCHEMA_VERSION}; use a new file"
+        )
+    con.execute(events_ddl())
+    con.execute(streams_ddl())
+    return con
+
+
+def load_streams(con: duckdb.DuckDBPyConnection) -> dict[str, StreamState]:
+    """The committed state of every known stream, to resume sequence checks after a restart."""
+    table = con.sql("SELECT * FROM streams").to_arrow_table()
+    return {row["stream_id"]: StreamState(**row) for row in table.to_pylist()}
+
+
+def streams_table(states: list[StreamState]) -> pa.Table:
+    """Arrow table of ``states`` in ``streams`` column order (for one DELETE + INSERT per commit)."""
+    return pa.Table.from_pylist([vars(s) for s in states], schema=STREAMS_SCHEMA)
+
+
+def db_size_bytes(path: str) -> int:
+    """Bytes of the database file plus its write-ahead log (0 for what does not exist)."""
+    total = 0
+    for p in (path, path + ".wal"):
+        try:
+            total += os.path.getsize(p)
+        except OSError:
+            pass
+    return total

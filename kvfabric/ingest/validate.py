@@ -1,0 +1,205 @@
+"""Validation of what a sink sends: the stream's schema + metadata, then each record batch.
+
+Everything here is pure (no I/O) so it can be tested without sockets. Checks are vectorised (pyarrow.compute on
+whole columns), never per row, because they run on the ingest hot path.
+
+Invariants a batch that passes :func:`check_batch` guarantees to the writer:
+  * its schema is exactly :data:`kvfabric.schema.EVENT_SCHEMA` (normalised: nullability flags and metadata of the
+    sender are dropped), so batches of different streams concatenate without casts;
+  * every row's ``run_id`` and ``engine`` equal the stream metadata's (nulls are filled in with them);
+  * ``seq``, ``ts_ns`` and ``event`` hold no nulls, ``seq`` is one non-negative value over the batch, and every
+    ``event`` is one of :data:`kvfabric.schema.EVENT_TYPES`: the INSERT into DuckDB's NOT NULL columns cannot fail.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvfabric import schema as S
+from kvfabric.ingest.errors import OVERSIZED, SCHEMA_MISMATCH, SCHEMA_VERSION, BadStream
+
+MAX_META_VALUE_CHARS = 4096
+"""Bound on one metadata value (stream ids, engines, settings JSON): they end up in logs and in the streams table."""
+
+MAX_SETTINGS_CHARS = 65536
+
+_KNOWN_EVENTS = frozenset(S.EVENT_TYPES)
+
+
+@dataclass(frozen=True)
+class StreamMeta:
+    """The metadata a stream starts with (DESIGN.md §4), parsed and checked."""
+
+    stream_id: str
+    engine: str
+    run_id: str
+    schema_version: int
+    block_size: int
+    num_blocks: int
+    policy: str
+    vllm_version: str | None = None
+    settings: str | None = None  # JSON text, as sent
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Caps on one record batch; a batch over either is refused with reason ``oversized``."""
+
+    max_rows: int = 1_000_000
+    max_bytes: int = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the writer needs to know about a checked batch without looking at it again."""
+
+    seq: int
+    rows: int
+    nbytes: int
+    min_ts_ns: int
+    max_ts_ns: int
+
+
+def _same_columns(schema: pa.Schema) -> str | None:
+    """None when ``schema`` has EVENT_SCHEMA's names and types in order (metadata and nullability ignored)."""
+    got = [(f.name, f.type) for f in schema]
+    want = [(f.name, f.type) for f in S.EVENT_SCHEMA]
+    if got == want:
+        return None
+    got_names = [n for n, _ in got]
+    want_names = [n for n, _ in want]
+    if got_names != want_names:
+        missing = [n for n in want_names if n not in got_names]
+        extra = [n for n in got_names if n not in want_names]
+        if missing or extra:
+            return f"columns differ: missing {missing}, unexpected {extra}"
+        return "columns are in a different order than kvfabric.schema.COLUMNS"
+    bad = [f"{n}: {t} (expected {w})" for (n, t), (_, w) in zip(got, want, strict=True) if t != w]
+    return "column types differ: " + "; ".join(bad)
+
+
+def _decode(metadata: dict[bytes, bytes] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in (metadata or {}).items():
+        try:
+            out[k.decode("utf-8")] = v.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadStream(SCHEMA_MISMATCH, f"schema metadata is not UTF-8 ({k[:40]!r})") from e
+    return out
+
+
+def _positive_int(meta: dict[str, str], key: str) -> int:
+    try:
+        value = int(meta[key])
+    except ValueError as e:
+        raise BadStream(SCHEMA_MISMATCH, f"metadata {key}={meta[key][:40]!r} is not an integer") from e
+    if value <= 0:
+        raise BadStream(SCHEMA_MISMATCH, f"metadata {key}={value} must be positive")
+    return value
+
+
+def parse_stream_meta(schema: pa.Schema) -> StreamMeta:
+    """Check a stream's schema against the contract and return its metadata.
+
+    Order of checks matters for the reported reason: a sender of another schema version most likely also has other
+    columns, and "wrong version" is the message that tells its operator what to do.
+    """
+    meta = _decode(schema.metadata)
+    if S.META_SCHEMA_VERSION not in meta:
+        raise BadStream(SCHEMA_MISMATCH, f"schema metadata lacks {S.META_SCHEMA_VERSION}")
+    raw_version = meta[S.META_SCHEMA_VERSION]
+    try:
+        version = int(raw_version)
+    except ValueError as e:
+        raise BadStream(SCHEMA_VERSION, f"schema version {raw_version[:40]!r} is not an integer") from e
+    if version != S.SCHEMA_VERSION:
+        raise BadStream(
+            SCHEMA_VERSION, f"schema version {version} is not supported (this collector speaks {S.SCHEMA_VERSION})"
+        )
+    problem = _same_columns(schema)
+    if problem:
+        raise BadStream(SCHEMA_MISMATCH, problem)
+    missing = [k for k in S.REQUIRED_META if not meta.get(k)]
+    if missing:
+        raise BadStream(SCHEMA_MISMATCH, f"schema metadata lacks {', '.join(missing)}")
+    for key, value in meta.items():
+        limit = MAX_SETTINGS_CHARS if key == S.META_SETTINGS else MAX_META_VALUE_CHARS
+        if len(value) > limit:
+            raise BadStream(SCHEMA_MISMATCH, f"metadata {key} is {len(value)} characters (limit {limit})")
+    settings = meta.get(S.META_SETTINGS)
+    if settings is not None:
+        try:
+            json.loads(settings)
+        except ValueError as e:
+            raise BadStream(SCHEMA_MISMATCH, f"metadata {S.META_SETTINGS} is not JSON") from e
+    return StreamMeta(
+        stream_id=meta[S.META_STREAM_ID],
+        engine=meta[S.META_ENGINE],
+        run_id=meta[S.META_RUN_ID],
+        schema_version=version,
+        block_size=_positive_int(meta, S.META_BLOCK_SIZE),
+        num_blocks=_positive_int(meta, S.META_NUM_BLOCKS),
+        policy=meta[S.META_POLICY],
+        vllm_version=meta.get(S.META_VLLM_VERSION) or None,
+        settings=settings,
+    )
+
+
+def check_batch(
+    batch: pa.RecordBatch, limits: BatchLimits, meta: StreamMeta
+) -> tuple[pa.RecordBatch, BatchInfo]:
+    """Check one batch of an already accepted stream; return it normalised to EVENT_SCHEMA plus its summary.
+
+    Every row must carry the stream's ``run_id`` and ``engine`` (a null is filled in with the stream's value; another
+    value refuses the batch): the ``streams`` table is then an exact index of the events (run listings and
+    block-size joins rely on it).
+
+    Raises :class:`BadStream` (``oversized`` or ``schema_mismatch``); the caller closes the connection.
+    Empty batches are legal and carry no sequence number: callers skip them (``BatchInfo.seq`` is -1).
+    """
+    rows = batch.num_rows
+    nbytes = batch.nbytes
+    if rows > limits.max_rows:
+        raise BadStream(OVERSIZED, f"batch of {rows} rows exceeds the limit of {limits.max_rows}")
+    if nbytes > limits.max_bytes:
+        raise BadStream(OVERSIZED, f"batch of {nbytes} bytes exceeds the limit of {limits.max_bytes}")
+    if rows == 0:
+        return batch, BatchInfo(seq=-1, rows=0, nbytes=0, min_ts_ns=0, max_ts_ns=0)
+    seq_col = batch.column(0)
+    ts_col = batch.column(1)
+    event_col = batch.column(S.COLUMNS.index("event"))
+    for name, col in (("seq", seq_col), ("ts_ns", ts_col), ("event", event_col)):
+        if col.null_count:
+            raise BadStream(SCHEMA_MISMATCH, f"column {name} holds {col.null_count} nulls (not nullable)")
+    seq_range = pc.min_max(seq_col).as_py()
+    if seq_range["min"] != seq_range["max"]:
+        raise BadStream(SCHEMA_MISMATCH, f"seq varies inside one batch ({seq_range['min']}..{seq_range['max']})")
+    if seq_range["min"] < 0:
+        raise BadStream(SCHEMA_MISMATCH, f"seq {seq_range['min']} is negative")
+    unknown = set(pc.unique(event_col).to_pylist()) - _KNOWN_EVENTS
+    if unknown:
+        shown = sorted(str(u)[:40] for u in unknown)[:5]
+        raise BadStream(SCHEMA_MISMATCH, f"unknown event types {shown}")
+    columns = batch.columns
+    for name, want in (("run_id", meta.run_id), ("engine", meta.engine)):
+        i = S.COLUMNS.index(name)
+        col = columns[i]
+        if col.null_count:  # a row that does not say is the stream's (costs a copy of this column only)
+            col = columns[i] = pc.fill_null(col, want)
+        values = pc.unique(col).to_pylist()
+        if values != [want]:
+            shown = [str(v)[:40] for v in values[:3]]
+            raise BadStream(SCHEMA_MISMATCH, f"rows carry {name} {shown} but the stream metadata says {want!r}")
+    ts_range = pc.min_max(ts_col).as_py()
+    normalised = pa.RecordBatch.from_arrays(columns, schema=S.EVENT_SCHEMA)
+    return normalised, BatchInfo(
+        seq=int(seq_range["min"]),
+        rows=rows,
+        nbytes=nbytes,
+        min_ts_ns=int(ts_range["min"]),
+        max_ts_ns=int(ts_range["max"]),
+    )

@@ -1,0 +1,268 @@
+"""Runs the named SQL against a DuckDB connection and returns JSON-ready Python values.
+
+One :class:`QueryRunner` serves the REST API (connections are cursors of the collector's own database: the
+collector holds the file's write lock) and the CLI / reports (a read-only connection to a file no collector holds).
+
+Invariants:
+  * read-only: only the shipped SELECT statements run, each with all its parameters bound (no SQL is built from
+    user input), and file connections are opened ``read_only=True``;
+  * bounded: list queries take a ``limit`` (at most :data:`MAX_LIMIT`), and every statement is interrupted after
+    ``timeout_s`` seconds (:class:`QueryTimeout`);
+  * unknown runs raise :class:`UnknownRun` (REST: 404); unusable parameters raise :class:`BadParameter` (422).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import duckdb
+
+from kvfabric.queries import catalog
+from kvfabric.queries.params import BadParameter, Cursor, parse_block_hash
+
+MAX_LIMIT = 10_000
+DEFAULT_TIMEOUT_S = 30.0
+
+Row = dict[str, Any]
+
+SUMMARY_NUMBERS: tuple[str, ...] = (
+    "prompt_tokens",
+    "prefix_hit_tokens",
+    "prefix_hit_rate",
+    "evicted_blocks",
+    "shared_anchor_eviction_ratio",
+    "protected_eviction_ratio",
+    "rebuilt_from_eviction_blocks",
+    "regretful_evictions",
+    "wasted_prefill_tokens",
+    "requests",
+    "events",
+    "shared_anchor_evictions",
+    "protected_evictions",
+    "admission_limited_blocks",
+    "sink_dropped_events",
+    "sequence_gaps",
+)
+"""Summary fields compared by :meth:`QueryRunner.compare` (delta = b - a)."""
+
+
+class UnknownRun(LookupError):
+    """No stream of this run was ever accepted."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"unknown run {run_id!r}")
+        self.run_id = run_id
+
+
+class NotFound(LookupError):
+    """The thing asked for (a family in a run, a block hash) has no events."""
+
+
+class QueryTimeout(RuntimeError):
+    """A statement ran past the runner's time limit and was interrupted."""
+
+
+class DatabaseUnavailable(RuntimeError):
+    """The database file is missing or locked by a running collector."""
+
+
+def _limit(value: int, name: str = "limit") -> int:
+    if not 1 <= value <= MAX_LIMIT:
+        raise BadParameter(f"{name} must be between 1 and {MAX_LIMIT}, got {value}")
+    return value
+
+
+def connect_read_only(db_path: str) -> duckdb.DuckDBPyConnection:
+    """A read-only connection to a collector database that no collector is running on.
+
+    DuckDB lets only one process open a file read-write, and a read-only open is refused while a collector holds
+    it: query a live collector through its REST API (or a copy of the file).
+    """
+    if not os.path.exists(db_path):
+        raise DatabaseUnavailable(f"no database at {db_path}")
+    try:
+        return duckdb.connect(db_path, read_only=True)
+    except duckdb.IOException as e:
+        if "lock" in str(e).lower():
+            raise DatabaseUnavailable(
+                f"{db_path} is open in a running collector (DuckDB allows one writer process and no readers beside "
+                f"it); query the collector's REST API, or copy the file and query the copy. ({e})"
+            ) from e
+        raise
+
+
+class QueryRunner:
+    """The named analytics (see module docstring). ``connect`` returns a fresh connection per call."""
+
+    def __init__(
+        self, connect: Callable[[], duckdb.DuckDBPyConnection], *, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        self._connect = connect
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def for_path(cls, db_path: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> QueryRunner:
+        """A runner over a database file, opened read-only for each call."""
+        return cls(lambda: connect_read_only(db_path), timeout_s=timeout_s)
+
+    # -- plumbing -------------------------------------------------------------------------------------------
+    @contextmanager
+    def _connection(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        con = self._connect()
+        try:
+            yield con
+        finally:
+            con.close()
+
+    def _rows(self, con: duckdb.DuckDBPyConnection, name: str, **params: Any) -> list[Row]:
+        wanted = catalog.parameters(name)
+        if set(params) != wanted:  # a programming error, not a user one: fail loudly
+            raise TypeError(f"query {name} takes {sorted(wanted)}, got {sorted(params)}")
+        timer = threading.Timer(self._timeout_s, con.interrupt)
+        timer.daemon = True
+        timer.start()
+        try:
+            cur = con.execute(catalog.sql(name), params)
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
+        except duckdb.InterruptException as e:
+            raise QueryTimeout(f"query {name} took longer than {self._timeout_s:g} s") from e
+        finally:
+            timer.cancel()
+
+    def _require_run(self, con: duckdb.DuckDBPyConnection, run: str) -> None:
+        if not self._rows(con, "run_exists", run=run)[0]["found"]:
+            raise UnknownRun(run)
+
+    # -- the named queries ----------------------------------------------------------------------------------
+    def runs(self) -> list[Row]:
+        """Every run: engines, policies, first/last event time, events, streams, sequence gaps."""
+        with self._connection() as con:
+            return self._rows(con, "runs")
+
+    def run_exists(self, run: str) -> bool:
+        with self._connection() as con:
+            return bool(self._rows(con, "run_exists", run=run)[0]["found"])
+
+    def run_summary(self, run: str) -> Row:
+        """The DESIGN.md §5 summary of one run (fields: see sql/run_summary.sql)."""
+        with self._connection() as con:
+            self._require_run(con, run)
+            return self._rows(con, "run_summary", run=run)[0]
+
+    def families(self, run: str | None = None, limit: int = 100) -> list[Row]:
+        """Per (run, family) analytics, most wasted prefill first; every run when ``run`` is None."""
+        with self._connection() as con:
+            if run is not None:
+                self._require_run(con, run)
+            return self._rows(con, "families", run=run, family=None, min_wasted_tokens=0, limit=_limit(limit))
+
+    def top_waste_families(self, run: str, n: int = 10) -> list[Row]:
+        """The ``n`` families of ``run`` that wasted the most prefill (only families that wasted some)."""
+        with self._connection() as con:
+            self._require_run(con, run)
+            return self._rows(con, "families", run=run, family=None, min_wasted_tokens=1, limit=_limit(n, "n"))
+
+    def family_detail(self, run: str, family: str) -> Row:
+        """One family of one run: its families row plus evictions and rebuilds by depth."""
+        with self._connection() as con:
+            self._require_run(con, run)
+            rows = self._rows(con, "families", run=run, family=family, min_wasted_tokens=0, limit=1)
+            if not rows:
+                raise NotFound(f"family {family!r} has no lookups, evictions or rebuilds in run {run!r}")
+            detail = rows[0]
+            detail["by_depth"] = self._rows(con, "family_depth", run=run, family=family)
+            return detail
+
+    def evictions(
+        self,
+        run: str | None = None,
+        family: str | None = None,
+        engine: str | None = None,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        limit: int = 1000,
+        cursor: str | None = None,
+    ) -> Row:
+        """One page of ``block_evicted`` rows, oldest first: ``{"items": [...], "next_cursor": str | None}``.
+
+        ``next_cursor`` is None on the last page; pass it back unchanged (with the same filters) for the next.
+        """
+        _limit(limit)
+        if since_ns is not None and until_ns is not None and since_ns > until_ns:
+            raise BadParameter(f"since_ns ({since_ns}) is after until_ns ({until_ns})")
+        after = Cursor.decode(cursor) if cursor else None
+        with self._connection() as con:
+            if run is not None:
+                self._require_run(con, run)
+            rows = self._rows(
+                con, "evictions", run=run, family=family, engine=engine, since_ns=since_ns, until_ns=until_ns,
+                after_ts=after.ts_ns if after else None, after_rowid=after.row_key if after else None,
+                limit=limit + 1,  # one more than asked tells whether another page exists
+            )
+        next_cursor = None
+        if len(rows) > limit:
+            rows = rows[:limit]
+            next_cursor = Cursor(rows[-1]["ts_ns"], rows[-1]["row_key"]).encode()
+        return {"items": rows, "next_cursor": next_cursor}
+
+    def block_history(self, block_hash: str | int, run: str | None = None, limit: int = 1000) -> Row:
+        """Every event of one block hash (printed forms: see :func:`parse_block_hash`), oldest first."""
+        h = block_hash if isinstance(block_hash, int) else parse_block_hash(block_hash)
+        with self._connection() as con:
+            if run is not None:
+                self._require_run(con, run)
+            rows = self._rows(con, "block_history", block_hash=h, run=run, limit=_limit(limit))
+        if not rows:
+            raise NotFound(f"no events for block hash {block_hash!r}" + (f" in run {run!r}" if run else ""))
+        return {"block_hash": h, "block_hash_hex": f"{h & 0xFFFFFFFFFFFFFFFF:016x}", "events": rows}
+
+    def compare(self, a: str, b: str) -> Row:
+        """Two runs' summaries side by side, and ``delta`` = b - a for every numeric summary field."""
+        with self._connection() as con:
+            self._require_run(con, a)
+            self._require_run(con, b)
+            sa = self._rows(con, "run_summary", run=a)[0]
+            sb = self._rows(con, "run_summary", run=b)[0]
+        delta = {k: (sb[k] or 0) - (sa[k] or 0) for k in SUMMARY_NUMBERS}
+        return {"a": sa, "b": sb, "delta": delta}
+
+    def rebuilt_exact(self, run: str) -> list[Row]:
+        """Rebuilt-from-eviction recomputed from raw events per family (no bounded memory, unlike the hook)."""
+        with self._connection() as con:
+            self._require_run(con, run)
+            return self._rows(con, "rebuilt_exact", run=run)
+
+    # -- dispatch by name (CLI) -----------------------------------------------------------------------------
+    def run(self, name: str, **params: Any) -> Any:
+        """Run the named query ``name`` (one of :data:`QUERY_NAMES`) with keyword parameters.
+
+        ``run_summary`` without ``run`` returns the summary of every run. Unknown names raise KeyError.
+        """
+        if name not in QUERY_NAMES:
+            raise KeyError(f"unknown query {name!r}; known: {', '.join(QUERY_NAMES)}")
+        params = {k: v for k, v in params.items() if v is not None}
+        if name == "run_summary" and "run" not in params:
+            return [self.run_summary(r["run_id"]) for r in self.runs()]
+        method = getattr(self, name)
+        try:
+            return method(**params)
+        except TypeError as e:
+            raise BadParameter(f"query {name}: {e}") from e
+
+
+QUERY_NAMES: tuple[str, ...] = (
+    "runs",
+    "run_summary",
+    "families",
+    "family_detail",
+    "evictions",
+    "block_history",
+    "compare",
+    "top_waste_families",
+    "rebuilt_exact",
+)

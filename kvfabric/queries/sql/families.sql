@@ -1,0 +1,71 @@
+-- families($run, $family, $min_wasted_tokens, $limit): per (run, family) analytics, most wasted prefill first.
+-- $run NULL means every run (slower: pass a run on large databases).
+-- A prefix_lookup row carries the family of its request; block rows carry the family of the request that sealed
+-- the block (DESIGN.md §5). Ratios are 0 when the denominator is 0; mean_time_to_rebuild_s is NULL without rebuilds.
+-- One scan restricted to the three event types that matter, grouped by (run, family, engine) so the block size
+-- join happens on the small grouped result.
+WITH g AS (
+    SELECT
+        run_id,
+        family,
+        engine,
+        count(*) FILTER (WHERE event = 'prefix_lookup') AS requests,
+        sum(prompt_tokens) FILTER (WHERE event = 'prefix_lookup') AS prompt_tokens,
+        sum(hit_tokens) FILTER (WHERE event = 'prefix_lookup') AS hit_tokens,
+        sum("count") FILTER (WHERE event = 'prefix_lookup') AS regretful,
+        count(*) FILTER (WHERE event = 'block_evicted') AS evicted,
+        count(*) FILTER (WHERE event = 'block_evicted' AND share_degree >= 2) AS shared_anchor,
+        count(*) FILTER (WHERE event = 'block_evicted' AND protected) AS protected,
+        count(*) FILTER (WHERE event = 'block_rebuilt') AS rebuilt,
+        sum(age_ns) FILTER (WHERE event = 'block_rebuilt') AS age_sum,
+        count(age_ns) FILTER (WHERE event = 'block_rebuilt') AS age_n
+    FROM events
+    WHERE event IN ('prefix_lookup', 'block_evicted', 'block_rebuilt')
+      AND ($run IS NULL OR run_id = $run)
+      AND ($family IS NULL OR family = $family)
+    GROUP BY run_id, family, engine
+),
+engine_bs AS (
+    SELECT run_id, engine, max(block_size) AS block_size FROM streams GROUP BY run_id, engine
+),
+run_bs AS (
+    SELECT run_id, max(block_size) AS block_size FROM streams GROUP BY run_id
+),
+f AS (
+    SELECT
+        g.run_id,
+        g.family,
+        sum(requests)::BIGINT AS requests,
+        coalesce(sum(prompt_tokens), 0)::BIGINT AS prompt_tokens,
+        coalesce(sum(hit_tokens), 0)::BIGINT AS prefix_hit_tokens,
+        sum(evicted)::BIGINT AS evicted_blocks,
+        sum(shared_anchor)::BIGINT AS shared_anchor_evictions,
+        sum(protected)::BIGINT AS protected_evictions,
+        sum(rebuilt)::BIGINT AS rebuilt_blocks,
+        sum(rebuilt * coalesce(engine_bs.block_size, run_bs.block_size, 0))::BIGINT AS wasted_prefill_tokens,
+        sum(age_sum) / nullif(sum(age_n), 0) / 1e9 AS mean_time_to_rebuild_s,
+        coalesce(sum(regretful), 0)::BIGINT AS regretful_evictions
+    FROM g
+    LEFT JOIN engine_bs ON engine_bs.run_id = g.run_id AND engine_bs.engine = g.engine
+    LEFT JOIN run_bs ON run_bs.run_id = g.run_id
+    GROUP BY g.run_id, g.family
+)
+SELECT
+    run_id,
+    family,
+    requests,
+    prompt_tokens,
+    prefix_hit_tokens,
+    coalesce(prefix_hit_tokens / nullif(prompt_tokens, 0), 0)::DOUBLE AS prefix_hit_rate,
+    evicted_blocks,
+    shared_anchor_evictions,
+    coalesce(shared_anchor_evictions / nullif(evicted_blocks, 0), 0)::DOUBLE AS shared_anchor_eviction_ratio,
+    protected_evictions,
+    rebuilt_blocks,
+    wasted_prefill_tokens,
+    mean_time_to_rebuild_s,
+    regretful_evictions
+FROM f
+WHERE wasted_prefill_tokens >= $min_wasted_tokens
+ORDER BY wasted_prefill_tokens DESC, evicted_blocks DESC, run_id, family NULLS LAST
+LIMIT $limit
