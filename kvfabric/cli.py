@@ -19,8 +19,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "query": ("kvfabric.collector.query", "run a named family-analytics query against a DuckDB file"),
     "export": ("kvfabric.collector.export", "export events to hive-partitioned Parquet (by run)"),
     "replay": ("kvfabric.sim.replay", "replay a hash_ids trace through vLLM's real scheduler under a policy"),
-    "bench": ("kvfabric.bench.cli", "long-conversation pressure benchmark against an OpenAI-compatible server"),
-    "ab": ("kvfabric.bench.ab", "A/B: one scenario under two policies, reported side by side"),
 }
 
 _EPILOG = """\
