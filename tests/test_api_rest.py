@@ -138,6 +138,12 @@ def test_metrics_match_the_contract_and_the_workload(api: httpx.Client) -> None:
     assert metric(m, "kvfabric_wasted_prefill_tokens_total", **B0) == 32
     assert metric(m, "kvfabric_admission_limited_blocks_total", **A0) == 7
     assert metric(m, "kvfabric_sink_dropped_events_total", **A0) == 5
+    # Present at 0 from the stream's start (metric() would read an absent series as 0 too: check presence).
+    assert m[("kvfabric_sink_dropped_events_total", frozenset(B0.items()))] == 0
+    assert metric(m, "kvfabric_time_to_rebuild_seconds_count", **A0) == 3
+    assert metric(m, "kvfabric_time_to_rebuild_seconds_count", **B0) == 1  # 32 wasted tokens at block size 32
+    info = [dict(labels) for (name, labels), v in m.items() if name == "kvfabric_run_info" and v == 1]
+    assert sorted((i["run"], i["engine"]) for i in info if i["run"] == "runA") == [("runA", "e0"), ("runA", "e1")]
     rows = sum(len(g.rows) for g in golden_streams())
     batches = sum(len(g.batches()) for g in golden_streams())
     assert metric(m, "kvfabric_ingest_rows_total") == rows

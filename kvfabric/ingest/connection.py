@@ -82,6 +82,8 @@ def serve_connection(sock: socket.socket, peer: str, ctx: IngestContext) -> None
         label = f"stream {meta.stream_id!r} (run {meta.run_id!r}, engine {meta.engine!r}, {peer})"
         ctx.queue.put(StreamOpened(meta=meta, peer=peer))
         ctx.metrics.open_streams.inc()
+        ctx.metrics.open_run(meta.run_id, meta.engine, meta.policy, meta.vllm_version, meta.block_size,
+                             meta.num_blocks)
         opened = True
         log.info("%s connected (block_size %d, policy %r)", label, meta.block_size, meta.policy)
         while True:

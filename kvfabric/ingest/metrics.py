@@ -25,6 +25,7 @@ OTHER_RUNS = "_other"
 DEFAULT_MAX_LABEL_RUNS = 64
 
 LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
+REBUILD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 INSERT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 # The "_created" samples are not part of the contract; they would double the series count for nothing.
@@ -95,6 +96,14 @@ class CollectorMetrics:
         self.sink_dropped_events = Counter(
             "kvfabric_sink_dropped_events_total", "Events the hook's sink had to drop", re_, registry=r
         )
+        self.time_to_rebuild = Histogram(
+            "kvfabric_time_to_rebuild_seconds", "From a block's eviction to its rebuild (block_rebuilt.age_ns)", re_,
+            buckets=REBUILD_BUCKETS, registry=r,
+        )
+        self.run_info = Gauge(
+            "kvfabric_run_info", "1 per run and engine seen, with the stream's policy and vLLM settings as labels",
+            [*re_, "policy", "vllm_version", "block_size", "num_blocks"], registry=r,
+        )
         self.ingest_rows = Counter("kvfabric_ingest_rows_total", "Rows written to DuckDB", registry=r)
         self.ingest_batches = Counter("kvfabric_ingest_batches_total", "Arrow batches received", registry=r)
         self.insert_duration = Histogram(
@@ -135,6 +144,30 @@ class CollectorMetrics:
                 self._runs.add(run)
                 return run
         return OTHER_RUNS
+
+    def open_run(self, run_id: str, engine: str, policy: str, vllm_version: str | None, block_size: int,
+                 num_blocks: int) -> None:
+        """A stream of ``run_id``/``engine`` connected: every per-run series exists from now on, at 0.
+
+        Without this a series appears only at its first increment, and ``rate()``/``increase()`` cannot see that
+        first step (an alert on the first sink drops of a run would never fire)."""
+        run = self.run_label(run_id)
+        for counter in (self.prompt_tokens, self.prefix_hit_tokens, self.protected_evictions, self.rebuilt_blocks,
+                        self.regretful_evictions, self.wasted_prefill_tokens, self.admission_limited_blocks,
+                        self.sink_dropped_events):
+            counter.labels(run, engine)
+        for kind in ("shared_anchor", "private_tail"):
+            self.evicted_blocks.labels(run, engine, kind)
+        for event in S.EVENT_TYPES:
+            self.events.labels(run, engine, event)
+        self.time_to_rebuild.labels(run, engine)
+        self.run_info.labels(run, engine, policy, vllm_version or "unknown", str(block_size), str(num_blocks)).set(1)
+
+    def observe_rebuilds(self, rebuilt: Iterable[tuple[str | None, str | None, int | None]]) -> None:
+        """Time-to-rebuild of committed ``block_rebuilt`` rows: (run_id, engine, age_ns)."""
+        for run_id, engine, age_ns in rebuilt:
+            if age_ns is not None:
+                self.time_to_rebuild.labels(self.run_label(run_id), engine or "").observe(max(0, age_ns) / 1e9)
 
     def record_commit(self, aggregates: Iterable[CommitAggregate], block_size: Callable[[str, str], int]) -> None:
         """Advance the analytics counters for rows that just committed.

@@ -43,6 +43,8 @@ SELECT run_id, engine, event, count(*) AS n,
        count(*) FILTER (WHERE event = '{S.BLOCK_EVICTED}' AND protected) AS protected
 FROM _kvf_ingest GROUP BY run_id, engine, event
 """
+# Rebuilt rows are a small share of events; their ages feed the time-to-rebuild histogram.
+_REBUILT_SQL = f"SELECT run_id, engine, age_ns FROM _kvf_ingest WHERE event = '{S.BLOCK_REBUILT}'"
 
 
 class EventWriter:
@@ -194,7 +196,7 @@ class EventWriter:
         table = pa.Table.from_batches(batches, schema=S.EVENT_SCHEMA).combine_chunks()
         t0 = time.perf_counter()
         try:
-            aggregates = self._transaction(table, list(states.values()))
+            aggregates, rebuilt = self._transaction(table, list(states.values()))
         except duckdb.Error as e:
             if len(items) > 1:
                 # Find the item DuckDB refuses, commit the others: one bad batch must not cost a whole window.
@@ -220,17 +222,23 @@ class EventWriter:
             if isinstance(item, BatchReceived):
                 m.ingest_lag.observe(max(0.0, (now_ns - item.info.min_ts_ns) / 1e9))
         m.record_commit(aggregates, self.block_size)
+        m.observe_rebuilds(rebuilt)
 
-    def _transaction(self, table: pa.Table, states: list[StreamState]) -> list[CommitAggregate]:
+    def _transaction(
+        self, table: pa.Table, states: list[StreamState]
+    ) -> tuple[list[CommitAggregate], list[tuple[str | None, str | None, int | None]]]:
         con = self._con
         con.execute("BEGIN TRANSACTION")
         try:
             aggregates: list[CommitAggregate] = []
+            rebuilt: list[tuple[str | None, str | None, int | None]] = []
             if table.num_rows:
                 con.register("_kvf_ingest", table)
                 try:
                     con.execute(_INSERT_SQL)
                     aggregates = [CommitAggregate(*row) for row in con.execute(_AGG_SQL).fetchall()]
+                    if any(a.event == S.BLOCK_REBUILT for a in aggregates):
+                        rebuilt = con.execute(_REBUILT_SQL).fetchall()
                 finally:
                     con.unregister("_kvf_ingest")
             if states:
@@ -245,7 +253,7 @@ class EventWriter:
         except BaseException:
             con.execute("ROLLBACK")
             raise
-        return aggregates
+        return aggregates, rebuilt
 
 
 def _copy(st: StreamState) -> StreamState:
