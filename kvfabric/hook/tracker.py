@@ -137,7 +137,8 @@ class LifecycleTracker:
         self.clock = clock
         self.table = SideTable(num_blocks)
         self.step = 0
-        self.enabled = settings.lifecycle
+        self.enabled = settings.lifecycle  # observers run (steering turns this on for statistics alone)
+        self.recording = settings.lifecycle  # events are emitted (off: the side table is kept, nothing emitted)
         self.errors = 0
         # Request context, set by the KVCacheManager wrappers around the pool calls they make.
         self.current_request: Any = None
@@ -211,24 +212,17 @@ class LifecycleTracker:
             )
         )
 
-    def _emit_block(self, event: str, b: int, ref_count: int, request_id: str | None, ts: int, **extra: Any) -> None:
+    def _emit_block(
+        self, event: str, b: int, ref_count: int, request_id: str | None, ts: int, age_ns: int | None = None
+    ) -> None:
+        """One block event, built positionally: this runs once per block operation, so no keyword plumbing."""
+        if not self.recording:
+            return
         t = self.table
-        self._emit(
-            event,
-            request_id=request_id,
-            block_id=b,
-            block_hash=t.hash[b],
-            parent_hash=t.parent[b],
-            family=t.family[b],
-            depth=t.depth[b],
-            ref_count=ref_count,
-            hit_count=t.hits[b],
-            share_degree=t.share[b],
-            branch_factor=t.branch[b],
-            retain_score=t.score[b],
-            protected=t.protected[b],
-            ts_ns=ts,
-            **extra,
+        self.buffer.append(
+            (ts, self.step, self.engine, self.run_id, event, request_id, b, t.hash[b], t.parent[b], t.family[b],
+             t.depth[b], ref_count, t.hits[b], t.share[b], t.branch[b], None, None, t.score[b], t.protected[b],
+             self.policy_name, None, age_ns)
         )
 
     def _request_id(self) -> str | None:
@@ -288,11 +282,16 @@ class LifecycleTracker:
     def on_allocated(self, blocks: Sequence[Any]) -> None:
         now = self.clock()
         rid = self._request_id()
-        t = self.table
+        last_ns = self.table.last_ns
+        head = (now, self.step, self.engine, self.run_id, S.BLOCK_ALLOCATED, rid)
+        tail = (None,) * 7 + (self.policy_name, None, None)
+        append = self.buffer.append if self.recording else None
         for blk in blocks:
             b = blk.block_id
-            t.last_ns[b] = now
-            self._emit(S.BLOCK_ALLOCATED, request_id=rid, block_id=b, ref_count=blk.ref_cnt, ts_ns=now)
+            last_ns[b] = now
+            if append is not None:
+                # A fresh block has no identity yet: only its id and ref count are known.
+                append((*head, b, None, None, None, None, blk.ref_cnt, *tail))
 
     def on_evicting(self, blk: Any) -> None:
         """Called before vLLM removes the block's hash: the last moment its identity is known."""
