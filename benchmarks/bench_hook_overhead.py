@@ -110,6 +110,7 @@ def main() -> int:
     finally:
         collector.stop()
     med = {m: statistics.median(v) for m, v in times.items()}
+    best = {m: min(v) for m, v in times.items()}  # the least disturbed run of each mode: robust to a busy machine
     sizes = [10_000, 100_000, 1_000_000]
     costs = {n: (per_op_cost(n, False), per_op_cost(n, True)) for n in sizes}
 
@@ -121,14 +122,14 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d')}  ",
         f"Workload: `demo_workload(seed=0)` on 640 blocks, zero-latency model; {events:,} events per run.",
         "",
-        "Scheduler CPU time (schedule + update_from_output), median of the rounds, modes interleaved:",
+        "Scheduler time (schedule + update_from_output, wall clock), modes interleaved round by round:",
         "",
-        "| mode | median s | vs plain | all rounds |",
-        "|---|---|---|---|",
+        "| mode | best s | best vs plain | median s | median vs plain | all rounds |",
+        "|---|---|---|---|---|---|",
     ]
     for m in modes:
-        lines.append(f"| {m} | {med[m]:.3f} | {med[m] / med['plain']:.3f}x | "
-                     f"{', '.join(f'{x:.3f}' for x in times[m])} |")
+        lines.append(f"| {m} | {best[m]:.3f} | {best[m] / best['plain']:.3f}x | {med[m]:.3f} | "
+                     f"{med[m] / med['plain']:.3f}x | {', '.join(f'{x:.3f}' for x in times[m])} |")
     spread = (max(times["plain"]) - min(times["plain"])) / med["plain"]
     lines += [
         "",

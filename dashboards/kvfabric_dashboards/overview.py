@@ -297,6 +297,14 @@ def build_overview() -> Dashboard:
         links=[("Families ranked by waste (REST)", FAMILIES_URL)],
     ))
     d = d.with_panel(timeseries_panel(
+        ids, "Time to rebuild",
+        "From a block's eviction to its rebuild (kvfabric_time_to_rebuild_seconds, from block_rebuilt.age_ns): "
+        "short times mean the cache was just too small for a working set that came right back.",
+        [Target(quantile(q, kv("kvfabric_time_to_rebuild_seconds_bucket")), f"p{int(q * 100)}")
+         for q in (0.5, 0.9, 0.99)],
+        unit="s",
+    ))
+    d = d.with_panel(timeseries_panel(
         ids, "Regretful evictions per second", f"{DEF_REGRETFUL} Right axis: regretful evictions per evicted block.",
         [
             Target(total(kv("kvfabric_regretful_evictions_total"), RATE, by="run"), "regretful/s {{run}}"),
