@@ -56,10 +56,14 @@ def tracked_pool_class(base: type) -> type:
             t.guard(t.on_allocated, blocks)
             return blocks
 
-        def _maybe_evict_cached_block(self, block: Any, *args: Any, **kwargs: Any) -> bool:
+        def evict_blocks(self, block_ids: Any, *args: Any, **kwargs: Any) -> None:
+            # Evictions by get_new_blocks are seen in on_allocated (the side table knows each block's digest);
+            # this is the other door, used by KV connectors.
             t = self._kvfabric
-            t.guard(t.on_evicting, block)
-            return super()._maybe_evict_cached_block(block, *args, **kwargs)
+            for block_id in block_ids:
+                if 0 <= block_id < len(self.blocks):
+                    t.guard(t.on_evicting, self.blocks[block_id])
+            super().evict_blocks(block_ids, *args, **kwargs)
 
         def touch(self, blocks: Any, *args: Any, **kwargs: Any) -> None:
             super().touch(blocks, *args, **kwargs)

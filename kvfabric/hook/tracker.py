@@ -280,37 +280,46 @@ class LifecycleTracker:
         )
 
     def on_allocated(self, blocks: Sequence[Any]) -> None:
+        """``get_new_blocks`` handed out ``blocks``. A block that still had a digest in the side table was cached:
+        vLLM just evicted it to reuse it (our digest is its identity: vLLM's hash is already cleared)."""
         now = self.clock()
         rid = self._request_id()
-        last_ns = self.table.last_ns
+        t = self.table
+        last_ns = t.last_ns
+        hashes = t.hash
         head = (now, self.step, self.engine, self.run_id, S.BLOCK_ALLOCATED, rid)
         tail = (None,) * 7 + (self.policy_name, None, None)
         append = self.buffer.append if self.recording else None
         for blk in blocks:
             b = blk.block_id
+            if hashes[b] is not None:
+                self._evicted(b, rid, now)
             last_ns[b] = now
             if append is not None:
                 # A fresh block has no identity yet: only its id and ref count are known.
                 append((*head, b, None, None, None, None, blk.ref_cnt, *tail))
 
-    def on_evicting(self, blk: Any) -> None:
-        """Called before vLLM removes the block's hash: the last moment its identity is known."""
-        if blk.block_hash is None:
-            return
-        b = blk.block_id
+    def _evicted(self, b: int, rid: str | None, now: int) -> None:
+        """Block ``b`` lost its cached content: emit ``block_evicted``, remember the digest, reset the entry."""
         t = self.table
         h = t.hash[b]
-        if h is None:  # cached before the hook was installed (or by a path we do not see): recover the digest
-            h = S.hash64(blk.block_hash)
-            t.hash[b] = h
-        now = self.clock()
-        self._emit_block(S.BLOCK_EVICTED, b, blk.ref_cnt, self._request_id(), now, age_ns=now - t.last_ns[b])
+        self._emit_block(S.BLOCK_EVICTED, b, 0, rid, now, now - t.last_ns[b])
         evicted = self.evicted
         evicted[h] = [now, t.family[b], t.depth[b], False]
         evicted.move_to_end(h)
         if len(evicted) > self.settings.evicted_memory:
             evicted.popitem(last=False)
         t.reset(b)
+
+    def on_evicting(self, blk: Any) -> None:
+        """A cached block is evicted outside ``get_new_blocks`` (``evict_blocks``, used by KV connectors); called
+        before vLLM removes its hash."""
+        if blk.block_hash is None:
+            return
+        b = blk.block_id
+        if self.table.hash[b] is None:  # cached by a path we do not see: recover the digest
+            self.table.hash[b] = S.hash64(blk.block_hash)
+        self._evicted(b, self._request_id(), self.clock())
 
     def on_touched(self, blocks: Iterable[Any]) -> None:
         now = self.clock()
