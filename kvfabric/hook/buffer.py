@@ -39,11 +39,12 @@ class EventBuffer:
         if n + 1 == self.wake_at:
             self.wakeup.set()
 
-    def drain(self) -> list[tuple]:
-        """Take every buffered row (possibly none)."""
+    def drain(self, limit: int | None = None) -> list[tuple]:
+        """Take the oldest buffered rows, at most ``limit`` (all when None; possibly none)."""
         rows = self._rows
         popleft = rows.popleft
-        return [popleft() for _ in range(len(rows))]
+        n = len(rows) if limit is None else min(limit, len(rows))
+        return [popleft() for _ in range(n)]
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -425,18 +425,29 @@ def _discard_event(*args: Any, **kwargs: Any) -> None:
 def _statistics_only(tracker: LifecycleTracker) -> None:
     """Turn a tracker whose lifecycle recording is off into a lean keeper of the side-table fields policies read.
 
+    The tracker's own statistics mode (``enabled`` on, ``recording`` off) would do: this only makes it cheaper.
     Policies and the victim index read ``hash``, ``parent``, ``parent_block``, ``depth``, ``hits``, ``share``,
-    ``users``, ``branch``; events, families, timestamps and rebuilt detection are not needed, so the observers
-    that only produce those are replaced (instance attributes, this tracker only) by no-ops or lean versions.
-    Semantics of the kept fields are exactly the tracker's (see ``LifecycleTracker.on_sealed``/``on_touched``).
+    ``users``, ``branch``; events, families, timestamps and the evicted-hash memory (rebuilt detection) are not
+    needed, so the observers that only produce those are replaced (instance attributes, this tracker only) by
+    no-ops or lean versions. The kept fields follow exactly the tracker's semantics (``on_allocated`` resets a
+    block that still had a digest: vLLM just evicted it; ``on_sealed`` sets the new life; ``on_touched`` counts
+    a use).
     """
     tracker.enabled = True
+    tracker.recording = False
     tracker._emit = _discard_event  # type: ignore[method-assign]
 
     def nothing(*args: Any) -> None:
         return None
 
     hash64 = S.hash64
+
+    def on_allocated(blocks: Any) -> None:
+        t = tracker.table
+        hashes = t.hash
+        for blk in blocks:
+            if hashes[blk.block_id] is not None:
+                t.reset(blk.block_id)
 
     def on_touched(blocks: Any) -> None:
         t = tracker.table
@@ -486,10 +497,9 @@ def _statistics_only(tracker: LifecycleTracker) -> None:
                     kids.add(h)
                     t.branch[parent_id] += 1
 
-    tracker.on_allocated = nothing  # type: ignore[method-assign]
+    tracker.on_allocated = on_allocated  # type: ignore[method-assign]
     tracker.on_freed = nothing  # type: ignore[method-assign]
     tracker.on_admitted = nothing  # type: ignore[method-assign]
-    tracker.on_request_done = nothing  # type: ignore[method-assign]
     tracker.on_touched = on_touched  # type: ignore[method-assign]
     tracker.on_evicting = on_evicting  # type: ignore[method-assign]
     tracker.on_sealed = on_sealed  # type: ignore[method-assign]

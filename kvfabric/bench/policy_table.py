@@ -1,0 +1,483 @@
+"""Regenerate ``docs/policy-results.md`` and its plots: every policy vs LRU and the offline optimum, on the traces.
+
+One command (``python -m kvfabric.bench.policy_table``) runs:
+
+1. the sweep: every policy, LRU and the optimum at capacities from 2% to 50% of each trace's unique blocks, on
+   the whole of each trace, in fast mode (:mod:`kvfabric.sim.offline`, vLLM's 16-token blocks);
+2. the agreement check: real scheduler (vLLM, hook on) against fast mode on the first ``--real-limit`` rows of
+   each trace at two capacities, for LRU, adaptive_aging and the optimum;
+3. a robustness check on data the design did not look at as a whole: the first 1500 rows of each trace (a
+   different mix: fewer returning sessions), 512-token blocks;
+4. the admission gate's effect (``KVFABRIC_ADMISSION_ANCHOR_BLOCKS=24``) on LRU and adaptive_aging.
+
+5. the whole traces through vLLM's real scheduler at ``--real-full-fractions`` (LRU, adaptive_aging, optimum).
+
+Raw results go to ``benchmarks/results/policy_sweep.json`` (``--reuse`` re-renders from it without rerunning;
+``--sections`` reruns only some parts). Runtime on 2 cores: about 20 minutes for the sweep, 2 for the
+agreement runs, 20 for the whole traces through the real scheduler (3 minutes and 6 GB each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TRACES = (
+    "/work/shared/traces/mooncake_conversation_first_half.jsonl",
+    "/work/shared/traces/mooncake_synthetic_trace.jsonl",
+)
+FRACTIONS = (0.02, 0.05, 0.10, 0.20, 0.30, 0.50)
+POLICIES = ("lru", "family_protect", "shared_aware", "adaptive_aging", "optimal")
+OURS = "adaptive_aging"
+
+
+@functools.lru_cache(maxsize=4)
+def _trace(path: str, limit: int | None) -> Any:
+    from kvfabric.sim.offline import load_trace
+
+    return load_trace(path, limit)
+
+
+def _unique(path: str, limit: int | None, block_size: int) -> int:
+    from kvfabric.sim.offline import unique_blocks
+
+    return unique_blocks(_trace(path, limit), block_size)
+
+
+def _floor(path: str, limit: int | None, block_size: int) -> int:
+    """The smallest pool that can hold the trace's longest request (vLLM's null block and one output token too)."""
+    return max(-(-(r.input_length + 1) // block_size) for r in _trace(path, limit)) + 2
+
+
+def _fast(task: dict[str, Any]) -> dict[str, Any]:
+    from kvfabric.sim.offline import simulate
+
+    t0 = time.perf_counter()
+    out = simulate(_trace(task["trace"], task.get("limit")), task["policy"], task["num_blocks"],
+                   block_size=task["block_size"], anchor_blocks=task.get("anchor", 0))
+    out.update(task)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _real(task: dict[str, Any]) -> dict[str, Any]:
+    from kvfabric.sim.replay import replay_real
+
+    out = replay_real(task["trace"], task["policy"], task["num_blocks"], limit=task["limit"],
+                      block_size=task["block_size"], progress=False)
+    out.update(task)
+    return out
+
+
+def _run(fn: Any, tasks: list[dict[str, Any]], jobs: int, label: str) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None  # type: ignore[assignment]
+    bar = tqdm(total=len(tasks), desc=label, file=sys.stderr) if tqdm is not None else None
+    # Longest tasks first (the optimum and tight capacities), so two workers finish together.
+    order = sorted(tasks, key=lambda t: (t["policy"] != "optimal", t["num_blocks"]))
+    if jobs <= 1:
+        for t in order:
+            results.append(fn(t))
+            if bar is not None:
+                bar.update(1)
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            for r in pool.map(fn, order):
+                results.append(r)
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    return results
+
+
+SECTIONS = ("sweep", "robust", "agree", "realfull")
+
+
+def run_all(traces: Sequence[str], fractions: Sequence[float], block_size: int, jobs: int,
+            real_limit: int, real_full_fractions: Sequence[float], sections: Sequence[str] = SECTIONS,
+            previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the requested sections; sections not run are taken from ``previous`` (a loaded results file)."""
+    sweep_tasks = []
+    meta: dict[str, Any] = {"traces": {}}
+    for tr in traces:
+        unique = _unique(tr, None, block_size)
+        meta["traces"][tr] = {"unique_blocks": unique, "rows": len(_trace(tr, None))}
+        for f in fractions:
+            n = max(int(unique * f), _floor(tr, None, block_size))
+            for p in POLICIES:
+                sweep_tasks.append({"trace": tr, "fraction": f, "num_blocks": n, "policy": p,
+                                    "block_size": block_size, "anchor": 0})
+            for p in ("lru", OURS):
+                sweep_tasks.append({"trace": tr, "fraction": f, "num_blocks": n, "policy": p,
+                                    "block_size": block_size, "anchor": 24})
+    robust_tasks = []
+    for tr in traces:
+        unique = _unique(tr, 1500, 512)
+        for f in fractions:
+            for p in ("lru", OURS, "optimal"):
+                n = max(int(unique * f), 400, _floor(tr, 1500, 512))
+                robust_tasks.append({"trace": tr, "limit": 1500, "fraction": f, "num_blocks": n,
+                                     "policy": p, "block_size": 512, "anchor": 0})
+    agree_tasks = []
+    for tr in traces:
+        unique = _unique(tr, real_limit, block_size)
+        for f in (0.05, 0.20):
+            for p in ("lru", OURS, "optimal"):
+                n = max(int(unique * f), _floor(tr, real_limit, block_size))
+                agree_tasks.append({"trace": tr, "limit": real_limit, "fraction": f, "num_blocks": n,
+                                    "policy": p, "block_size": block_size, "anchor": 0})
+    full_tasks = []
+    for tr in traces:
+        unique = _unique(tr, None, block_size)
+        for f in real_full_fractions:
+            n = max(int(unique * f), _floor(tr, None, block_size))
+            for p in ("lru", OURS, "optimal"):
+                full_tasks.append({"trace": tr, "limit": None, "fraction": f, "num_blocks": n, "policy": p,
+                                   "block_size": block_size, "anchor": 0})
+    prev = previous or {}
+    t0 = time.time()
+    out: dict[str, Any] = {}
+    out["sweep"] = _run(_fast, sweep_tasks, jobs, "sweep (fast mode)") if "sweep" in sections \
+        else prev.get("sweep", [])
+    out["robust"] = _run(_fast, robust_tasks, jobs, "robustness (prefixes)") if "robust" in sections \
+        else prev.get("robust", [])
+    if "agree" in sections:
+        out["agree_fast"] = _run(_fast, agree_tasks, jobs, "agreement: fast")
+        out["agree_real"] = _run(_real, agree_tasks, jobs, "agreement: real scheduler")
+    else:
+        out["agree_fast"], out["agree_real"] = prev.get("agree_fast", []), prev.get("agree_real", [])
+    if "realfull" in sections:
+        out["full_real"] = _run(_real, full_tasks, jobs, "whole traces: real scheduler")
+    else:
+        out["full_real"] = prev.get("full_real", [])
+    runtime = dict(prev.get("meta", {}).get("section_runtime_s", {}))
+    runtime[",".join(sections)] = time.time() - t0
+    meta.update({
+        "block_size": block_size,
+        "fractions": list(fractions),
+        "real_limit": real_limit,
+        "real_full_fractions": list(real_full_fractions),
+        "section_runtime_s": runtime,
+        "runtime_s": sum(runtime.values()),
+        "machine": f"{platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"Python {platform.python_version()}",
+        "command": "python -m kvfabric.bench.policy_table " + " ".join(sys.argv[1:]),
+    })
+    out["meta"] = meta
+    return out
+
+
+# --------------------------------------------------------------------------------------------- rendering
+
+
+def _pick(rows: list[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def _gap_closed(p: float, lru: float, opt: float) -> float | None:
+    gap = opt - lru
+    return None if gap <= 1e-12 else (p - lru) / gap
+
+
+def _short(path: str) -> str:
+    name = os.path.basename(path).removesuffix(".jsonl")
+    return name.removeprefix("mooncake_")
+
+
+def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
+    meta = data["meta"]
+    sweep = data["sweep"]
+    lines: list[str] = []
+    w = lines.append
+    w("## Results")
+    w("")
+    w("Generated by `python -m kvfabric.bench.policy_table` (raw numbers: `benchmarks/results/policy_sweep.json`).")
+    w(f"Machine: {meta['machine']}. Runtime: {meta['runtime_s'] / 60:.0f} min.")
+    w("")
+    w("Traces: `shared/traces/` (Mooncake, FAST'25, Apache-2.0), whole files. Replay: one request at a time")
+    w("(the traces' README's sequential replay), vLLM's 16-token blocks, one output token per request (outputs are")
+    w("made up, so their blocks are never reused). Capacity = pool size as a share of the trace's unique 16-token")
+    w("blocks. Prefix hit rate = hit tokens / prompt tokens over admissions (DESIGN.md §5); wasted prefill tokens =")
+    w("16 x blocks rebuilt after their eviction. *Gap closed* = (policy - LRU) / (optimum - LRU) in hit rate.")
+    w("")
+    w("Numbers in the tables come from the fast mode (`kvfabric replay --fast`, `kvfabric/sim/offline.py`):")
+    w("the same policies, indexes and statistics as the hook, without vLLM, because replaying the whole traces")
+    w(f"through vLLM's real scheduler {len(POLICIES)} x {len(meta['fractions'])} x 2 times takes hours on 2 cores.")
+    w("The [agreement section](#agreement-real-scheduler-vs-fast-mode) shows both modes on the same rows.")
+    w("")
+    w("Policies: `lru` (vLLM's own order), `family_protect` and `shared_aware` (DESIGN.md §6), `adaptive_aging`")
+    w("(this project's: LRU plus an aging credit for proven blocks, learned online from ghost hits; see")
+    w("[below](#adaptive_aging)), `optimal` (Belady's MIN, ties towards deeper blocks, under the same pinning).")
+    w("")
+    for tr in meta["traces"]:
+        info = meta["traces"][tr]
+        name = _short(tr)
+        w(f"### {name}")
+        w("")
+        w(f"{info['rows']:,} requests, {info['unique_blocks']:,} unique 16-token blocks.")
+        w("")
+        w("#### Prefix hit rate (%)")
+        w("")
+        w("| capacity | blocks | " + " | ".join(POLICIES) + " | LRU-to-optimum gap | gap closed by "
+          f"{OURS} |")
+        w("|---|---|" + "---|" * (len(POLICIES) + 2))
+        for f in meta["fractions"]:
+            row = {p: _pick(sweep, trace=tr, fraction=f, policy=p, anchor=0) for p in POLICIES}
+            if any(v is None for v in row.values()):
+                continue
+            rates = {p: row[p]["prefix_hit_rate"] * 100 for p in POLICIES}  # type: ignore[index]
+            gap = rates["optimal"] - rates["lru"]
+            closed = _gap_closed(rates[OURS], rates["lru"], rates["optimal"])
+            cells = []
+            for p in POLICIES:
+                mark = ""
+                if p not in ("lru", "optimal") and rates[p] < rates["lru"] - 0.005:
+                    mark = " ↓"
+                cells.append(f"{rates[p]:.2f}{mark}")
+            w(f"| {f:.0%} | {row['lru']['num_blocks']:,} | " + " | ".join(cells)  # type: ignore[index]
+              + f" | {gap:.2f} | {'-' if closed is None else f'{closed:.0%}'} |")
+        w("")
+        w("↓ = below LRU. Gap closed by each policy:")
+        w("")
+        w("| capacity | " + " | ".join(p for p in POLICIES if p not in ("lru", "optimal")) + " |")
+        w("|---|" + "---|" * (len(POLICIES) - 2))
+        for f in meta["fractions"]:
+            rates = {}
+            for p in POLICIES:
+                r = _pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
+                if r is not None:
+                    rates[p] = r["prefix_hit_rate"]
+            if len(rates) < len(POLICIES):
+                continue
+            cells = []
+            for p in POLICIES:
+                if p in ("lru", "optimal"):
+                    continue
+                c = _gap_closed(rates[p], rates["lru"], rates["optimal"])
+                cells.append("-" if c is None else f"{c:.0%}")
+            w(f"| {f:.0%} | " + " | ".join(cells) + " |")
+        w("")
+        w("#### Wasted prefill tokens (millions; lower is better)")
+        w("")
+        w("| capacity | " + " | ".join(POLICIES) + " |")
+        w("|---|" + "---|" * len(POLICIES))
+        for f in meta["fractions"]:
+            cells = []
+            for p in POLICIES:
+                r = _pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
+                cells.append("-" if r is None else f"{r['wasted_prefill_tokens'] / 1e6:.2f}")
+            w(f"| {f:.0%} | " + " | ".join(cells) + " |")
+        w("")
+        w(f"![hit rate vs capacity, {name}](policy-hit-rate-{name}.png)")
+        w("")
+        w("#### Admission gate (`KVFABRIC_ADMISSION_ANCHOR_BLOCKS=24`)")
+        w("")
+        w("| capacity | lru | lru + gate | adaptive_aging | adaptive_aging + gate |")
+        w("|---|---|---|---|---|")
+        for f in meta["fractions"]:
+            vals = []
+            for p, a in (("lru", 0), ("lru", 24), (OURS, 0), (OURS, 24)):
+                r = _pick(sweep, trace=tr, fraction=f, policy=p, anchor=a)
+                vals.append("-" if r is None else f"{r['prefix_hit_rate'] * 100:.2f}")
+            w(f"| {f:.0%} | " + " | ".join(vals) + " |")
+        w("")
+    w("### Gap closed, both traces")
+    w("")
+    w("![share of the LRU-to-optimum gap closed](policy-gap-closed.png)")
+    w("")
+    if data.get("full_real"):
+        w("### Whole traces through vLLM's real scheduler")
+        w("")
+        w("The same replays with `kvfabric replay` (no `--fast`): vLLM 0.33's Scheduler, KVCacheManager and BlockPool")
+        w("on CPU with the hook on; numbers counted from the hook's events. Fast mode's figures beside them.")
+        w("")
+        w("| trace | capacity | blocks | policy | hit rate real | hit rate fast | wasted prefill real (M tokens) | "
+          "wasted fast | replay wall s |")
+        w("|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(data["full_real"], key=lambda r: (r["trace"], r["fraction"], POLICIES.index(r["policy"]))):
+            fst = _pick(sweep, trace=r["trace"], fraction=r["fraction"], policy=r["policy"], anchor=0)
+            fast_rate = "-" if fst is None else f"{fst['prefix_hit_rate'] * 100:.2f}"
+            fast_waste = "-" if fst is None else f"{fst['wasted_prefill_tokens'] / 1e6:.2f}"
+            w(f"| {_short(r['trace'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | {r['policy']} | "
+              f"{r['prefix_hit_rate'] * 100:.2f} | {fast_rate} | {r['wasted_prefill_tokens'] / 1e6:.2f} | "
+              f"{fast_waste} | {r['replay_wall_s']:.0f} |")
+        w("")
+    # Agreement
+    w("### Agreement: real scheduler vs fast mode")
+    w("")
+    w(f"First {meta['real_limit']} rows of each trace, capacities relative to *those rows'* unique blocks. Real =")
+    w("`kvfabric replay` (vLLM 0.33's Scheduler/KVCacheManager/BlockPool on CPU, simulated model, hook on, counts")
+    w("from the hook's events); fast = `kvfabric replay --fast`.")
+    w("")
+    w("| trace | capacity | blocks | policy | hit rate real | hit rate fast | rebuilt real | rebuilt fast |")
+    w("|---|---|---|---|---|---|---|---|")
+    for r in data["agree_real"]:
+        fst = _pick(data["agree_fast"], trace=r["trace"], fraction=r["fraction"], policy=r["policy"])
+        if fst is None:
+            continue
+        w(f"| {_short(r['trace'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | {r['policy']} | "
+          f"{r['prefix_hit_rate'] * 100:.3f} | {fst['prefix_hit_rate'] * 100:.3f} | "
+          f"{r['rebuilt_from_eviction_blocks']:,} | {fst['rebuilt_from_eviction_blocks']:,} |")
+    w("")
+    # Robustness
+    w("### Robustness: the first 1,500 rows of each trace")
+    w("")
+    w("A different mix than the whole files (few returning conversations yet, families not yet repeated);")
+    w("512-token blocks, capacities relative to those rows' unique blocks (at least 400 blocks).")
+    w("")
+    w("| trace | capacity | lru | adaptive_aging | optimal | gap closed |")
+    w("|---|---|---|---|---|---|")
+    for tr in meta["traces"]:
+        for f in meta["fractions"]:
+            rs = {p: _pick(data["robust"], trace=tr, fraction=f, policy=p) for p in ("lru", OURS, "optimal")}
+            if any(v is None for v in rs.values()):
+                continue
+            lru, ours, opt = (rs[p]["prefix_hit_rate"] * 100 for p in ("lru", OURS, "optimal"))  # type: ignore[index]
+            c = _gap_closed(ours, lru, opt)
+            mark = " ↓" if ours < lru - 0.005 else ""
+            w(f"| {_short(tr)} | {f:.0%} | {lru:.2f} | {ours:.2f}{mark} | {opt:.2f} | "
+              f"{'-' if c is None else f'{c:.0%}'} |")
+    w("")
+    text = "\n".join(lines) + "\n"
+    out_md.write_text(_splice(out_md, text))
+    _plots(data, plots_dir)
+    return text
+
+
+_MARK_BEGIN = "<!-- generated:begin -->"
+_MARK_END = "<!-- generated:end -->"
+
+
+def _splice(path: Path, generated: str) -> str:
+    """Keep hand-written prose after the generated part (between markers) when the file already has it."""
+    if not path.exists():
+        return f"{_MARK_BEGIN}\n{generated}{_MARK_END}\n"
+    old = path.read_text()
+    if _MARK_BEGIN in old and _MARK_END in old:
+        head, rest = old.split(_MARK_BEGIN, 1)
+        _, tail = rest.split(_MARK_END, 1)
+        return f"{head}{_MARK_BEGIN}\n{generated}{_MARK_END}{tail}"
+    return f"{_MARK_BEGIN}\n{generated}{_MARK_END}\n"
+
+
+def _plots(data: dict[str, Any], plots_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    meta = data["meta"]
+    sweep = data["sweep"]
+    styles = {"lru": ("k", "o"), "family_protect": ("tab:orange", "s"), "shared_aware": ("tab:purple", "^"),
+              "adaptive_aging": ("tab:green", "D"), "optimal": ("tab:red", "")}
+    for tr in meta["traces"]:
+        name = _short(tr)
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for p in POLICIES:
+            xs, ys = [], []
+            for f in meta["fractions"]:
+                r = _pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
+                if r is not None:
+                    xs.append(f * 100)
+                    ys.append(r["prefix_hit_rate"] * 100)
+            color, marker = styles[p]
+            ax.plot(xs, ys, marker=marker or None, color=color, linestyle="--" if p == "optimal" else "-", label=p)
+        ax.set_xscale("log")
+        ax.set_xticks([f * 100 for f in meta["fractions"]])
+        ax.set_xticklabels([f"{f:.0%}" for f in meta["fractions"]])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("cache capacity (share of the trace's unique blocks)")
+        ax.set_ylabel("prefix hit rate (%)")
+        ax.set_title(f"{name}: prefix hit rate by policy")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plots_dir / f"policy-hit-rate-{name}.png", dpi=110)
+        plt.close(fig)
+    # Share of the LRU-to-optimum gap each policy closes (negative: below LRU), per trace and capacity.
+    policies = [p for p in POLICIES if p not in ("lru", "optimal")]
+    traces = list(meta["traces"])
+    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 3.8), squeeze=False)
+    for ax, tr in zip(axes[0], traces, strict=True):
+        fr = meta["fractions"]
+        width = 0.8 / len(policies)
+        for i, p in enumerate(policies):
+            vals = []
+            for f in fr:
+                rs = {q: _pick(sweep, trace=tr, fraction=f, policy=q, anchor=0) for q in ("lru", p, "optimal")}
+                c = None
+                if all(v is not None for v in rs.values()):
+                    c = _gap_closed(rs[p]["prefix_hit_rate"], rs["lru"]["prefix_hit_rate"],  # type: ignore[index]
+                                    rs["optimal"]["prefix_hit_rate"])  # type: ignore[index]
+                vals.append(0.0 if c is None else max(-1.0, c) * 100)
+            ax.bar([j + i * width for j in range(len(fr))], vals, width, color=styles[p][0], label=p)
+        ax.axhline(0, color="k", linewidth=0.8)
+        ax.axhline(40, color="tab:red", linewidth=0.8, linestyle=":", label="target (40%)")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(fr))])
+        ax.set_xticklabels([f"{f:.0%}" for f in fr])
+        ax.set_ylim(-100, 100)
+        ax.set_xlabel("cache capacity")
+        ax.set_ylabel("LRU-to-optimum gap closed (%), clipped at -100")
+        ax.set_title(_short(tr))
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(plots_dir / "policy-gap-closed.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traces", nargs="+", default=list(DEFAULT_TRACES))
+    parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--real-limit", type=int, default=600, help="rows replayed through the real scheduler")
+    parser.add_argument("--data", default="benchmarks/results/policy_sweep.json")
+    parser.add_argument("--out", default="docs/policy-results.md")
+    parser.add_argument("--plots", default="docs")
+    parser.add_argument("--real-full-fractions", default="0.05,0.2",
+                        help="capacities at which the whole traces also go through the real scheduler ('' = none)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"what to run (default all: {','.join(SECTIONS)}); the rest comes from --data")
+    parser.add_argument("--reuse", action="store_true", help="re-render from --data without running anything")
+    args = parser.parse_args(argv)
+    data_path = Path(args.data)
+    previous = json.loads(data_path.read_text()) if data_path.exists() else None
+    if args.reuse:
+        if previous is None:
+            parser.error(f"--reuse: {data_path} does not exist")
+        data = previous
+    else:
+        fractions = [float(f) for f in args.fractions.split(",")]
+        full = [float(f) for f in args.real_full_fractions.split(",") if f.strip()]
+        sections = [s for s in args.sections.split(",") if s]
+        data = run_all(args.traces, fractions, args.block_size, args.jobs, args.real_limit, full, sections,
+                       previous)
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        data_path.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
+    Path(args.plots).mkdir(parents=True, exist_ok=True)
+    text = render(data, Path(args.out), Path(args.plots))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The policy interface shared by the vLLM hook and the offline replay.
+
+A policy is small: a *key function* over a block's statistics (SGLang's split, ``evict_policy.py``). The cache side
+owns the data structure that orders candidates (:mod:`kvfabric.policies.index`), so every policy gets the same
+O(1) / O(log n) guarantees and the same safety rules for free.
+
+Two worlds call the same policy objects:
+
+* inside vLLM, :mod:`kvfabric.hook.steering` swaps the class of the pool's ``free_block_queue`` and asks the
+  index for victims; statistics come from the hook tracker's :class:`~kvfabric.hook.tracker.SideTable`;
+* offline, :mod:`kvfabric.sim.offline` replays block accesses with the same statistics, updated the same way.
+
+Invariants every policy must respect (the index enforces the structural ones):
+  * a key is a pure function of the block's statistics and of ``now``, computed once when the block becomes a
+    candidate (its last reference went); it never changes while the block waits, so ordering is a heap or a set
+    of FIFO segments, never a scan;
+  * keys should be monotone along a chain (a parent's statistics dominate its child's: every use of a child is a
+    use of its parent), so that "descendants before ancestors" mostly holds by itself; the index enforces it
+    exactly anyway;
+  * a policy never refuses a victim: protection is an order, not a veto (``get_new_blocks(n)`` must never fail
+    while ``n`` blocks are free).
+
+``now`` is a logical clock owned by the index: the number of blocks handed out by the free queue so far. It
+advances with cache churn rather than with wall time, so a policy's notion of "old" means "many allocations ago"
+and needs no tuning to a machine's speed or a trace's time scale.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+
+class BlockStats(Protocol):
+    """What a policy may read about block ``b`` (lists indexed by block id).
+
+    :class:`kvfabric.hook.tracker.SideTable` is the implementation inside vLLM; the offline replay uses the same
+    class. Fields describe the block's *current* cached life (reset at eviction, set at sealing).
+    """
+
+    hash: list[int | None]
+    parent: list[int | None]
+    parent_block: list[int]
+    depth: list[int | None]
+    family: list[str | None]
+    hits: list[int]
+    share: list[int]
+    branch: list[int]
+    last_ns: list[int]
+    protected: list[bool]
+    score: list[float | None]
+
+
+class TableOwner(Protocol):
+    """Anything holding the current statistics table as ``.table`` (the tracker replaces it on a cache reset)."""
+
+    table: Any
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """The knobs a policy may read (a subset of :class:`kvfabric.config.HookSettings`)."""
+
+    protect_min_hit_count: int = 1
+
+    @classmethod
+    def from_hook_settings(cls, settings: Any) -> PolicySettings:
+        return cls(protect_min_hit_count=int(getattr(settings, "protect_min_hit_count", 1)))
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What a policy may know about a request (hints are optional; absent means "infer").
+
+    ``session``: ``SamplingParams.extra_args["kvfabric_session"]``; ``session_end``: the client said this is the
+    conversation's last turn (``kvfabric_session_end``).
+    """
+
+    request_id: str
+    family: str | None = None
+    session: str | None = None
+    session_end: bool = False
+
+
+class EvictionPolicy(ABC):
+    """Base of every policy except ``lru`` (which attaches nothing at all).
+
+    Subclasses set :attr:`name`, :attr:`structure` and implement :meth:`key`. ``structure`` is ``"segments"``
+    (``key`` returns a small int, segment 0 is evicted first, FIFO inside a segment: O(1)) or ``"heap"``
+    (``key`` returns a float, lowest first, ties in arrival order: O(log n)).
+    """
+
+    name: ClassVar[str]
+    structure: ClassVar[str] = "heap"
+    num_segments: ClassVar[int] = 1
+    #: Whether the hook reports its ranking (``eviction_candidates_ranked``, ``retain_score``).
+    ranked: ClassVar[bool] = True
+
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        self.settings = settings or PolicySettings()
+
+    @abstractmethod
+    def key(self, t: BlockStats, b: int, now: int) -> float:
+        """Eviction key of block ``b`` becoming a candidate at logical time ``now`` (lower = evicted sooner)."""
+
+    def retain_score(self, key: float, now: int) -> float:
+        """The key as reported in events (``retain_score``, higher = keep). Default: the key itself."""
+        return float(key)
+
+    def is_protected(self, t: BlockStats, b: int, key: float, now: int) -> bool:
+        """Whether the policy deliberately keeps ``b`` over plain-LRU candidates (reported, never a veto)."""
+        return False
+
+    def bind(self, num_blocks: int) -> None:  # noqa: B027
+        """Called once by the index with the pool size (policies with per-block state allocate it here)."""
+
+    # ---- optional observers (per request, never per block on the hot path) --------------------------------
+
+    def on_request_started(  # noqa: B027
+        self,
+        info: RequestInfo,
+        hit_blocks: int,
+        num_blocks: int,
+        missed: Iterable[int] = (),
+        digests: Sequence[int] | None = None,
+    ) -> None:
+        """A request was admitted: ``hit_blocks`` of its ``num_blocks`` full blocks were prefix-cache hits.
+
+        ``missed`` iterates (lazily) the digests of the blocks right after the hit, in chain order; ``digests`` is
+        the whole chain's digests (a lazy sequence in the hook). Called once per admission, before allocation."""
+
+    def on_request_finished(self, info: RequestInfo, block_ids: Sequence[int]) -> None:  # noqa: B027
+        """A request's blocks are about to be freed (in vLLM's order: tail first); keys computed until
+        :meth:`on_request_freed` belong to this request."""
+
+    def on_request_freed(self) -> None:  # noqa: B027
+        """The blocks of the request announced by :meth:`on_request_finished` are back in the free queue."""
+
+    def on_evicted(self, t: BlockStats, b: int, now: int) -> None:  # noqa: B027
+        """Block ``b`` (still holding its statistics) is being evicted at ``now``."""
+
+    def describe(self) -> dict[str, Any]:
+        """Settings worth recording with a run."""
+        return {"policy": self.name}

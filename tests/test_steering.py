@@ -1,0 +1,413 @@
+"""Steering through vLLM's real KVCacheManager/BlockPool: DESIGN.md §3 invariants under random operations.
+
+Every policy is driven by hypothesis-generated sequences of admissions (requests built from a few shared prefix
+chains plus private tails), frees, raw ``get_new_blocks``/``free_blocks`` calls and prefix-cache resets, with the
+hook installed exactly as in a server. After every operation the invariants are checked against vLLM's own
+structures (the free list is walked, not trusted), and at every eviction the descendants-first rule is checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+from kvfabric import schema as S
+from kvfabric.config import load_hook_settings
+from kvfabric.hook.install import Installation, attach
+from kvfabric.hook.steering import Steering, attach_steering
+from kvfabric.policies import POLICY_NAMES
+from kvfabric.policies.base import EvictionPolicy
+
+pytestmark = pytest.mark.vllm
+BLOCK = 16
+REORDERING = tuple(p for p in POLICY_NAMES if p != "lru")
+
+
+def make_manager(num_blocks: int, policy: str, anchor: int | None = 0) -> tuple[KVCacheManager, Installation,
+                                                                                 Steering | None]:
+    init_none_hash(sha256)
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                                                          dtype=torch.float32))
+        ],
+    )
+    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True,
+                             hash_block_size=BLOCK)
+    env = {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_EVICTION_POLICY": policy}
+    if anchor is not None:
+        env["KVFABRIC_ADMISSION_ANCHOR_BLOCKS"] = str(anchor)
+    hook_settings = load_hook_settings(env)
+    inst = attach(manager, hook_settings, block_size=BLOCK, engine="test", start_sink=False)
+    assert inst is not None
+    steering = None
+    if hook_settings.steers:
+        steering = attach_steering(None, manager.block_pool, inst.tracker, hook_settings, manager=manager)
+    return manager, inst, steering
+
+
+def make_request(rid: str, tokens: list[int], extra: dict[str, Any] | None = None) -> Request:
+    params = SamplingParams(max_tokens=4, extra_args=extra)
+    params.update_from_generation_config({}, eos_token_id=100)
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=params, pooling_params=None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def admit(manager: KVCacheManager, req: Request) -> list[int] | None:
+    computed, num_computed = manager.get_computed_blocks(req, req.num_tokens - 1)[:2]
+    blocks = manager.allocate_slots(req, req.num_tokens - num_computed, num_computed, computed)
+    return None if blocks is None else blocks.get_block_ids()[0]
+
+
+def free_list(pool: Any) -> list[Any]:
+    """Walk vLLM's linked list (the truth), checking its links on the way."""
+    q = pool.free_block_queue
+    out = []
+    prev = q.fake_free_list_head
+    cur = prev.next_free_block
+    while cur is not q.fake_free_list_tail:
+        assert cur is not None and cur.prev_free_block is prev, "broken free-list links"
+        out.append(cur)
+        prev, cur = cur, cur.next_free_block
+    return out
+
+
+class Checker:
+    """Wraps the pool's allocation and the tracker's eviction observer with invariant checks."""
+
+    def __init__(self, manager: KVCacheManager, inst: Installation, steering: Steering | None, reorders: bool) -> None:
+        self.pool = manager.block_pool
+        self.tracker = inst.tracker
+        self.steering = steering
+        self.reorders = reorders
+        self.evictions = 0
+        self.violations: list[str] = []  # recorded, not raised: the tracker's guard would swallow an exception
+        pool = self.pool
+        original_get = type(pool).get_new_blocks
+
+        def get_new_blocks(n: int) -> list[Any]:
+            free_before = pool.get_num_free_blocks()
+            blocks = original_get(pool, n)  # never fails while n blocks are free (vLLM raises otherwise)
+            assert len(blocks) == n <= free_before
+            for blk in blocks:
+                assert not blk.is_null, "the null block was handed out"
+                assert blk.block_hash is None, "a reused block kept its hash"
+                assert blk.ref_cnt == 1
+                assert blk.prev_free_block is None and blk.next_free_block is None
+            return blocks
+
+        pool.get_new_blocks = get_new_blocks  # type: ignore[method-assign]
+        tracker = self.tracker
+        original_allocated = tracker.on_allocated
+
+        def on_allocated(blocks: Any) -> None:
+            # The tracker sees evictions here: an allocated block whose side-table digest is still set was cached
+            # (vLLM has cleared its own hash already). Its free cached children must all have gone before it.
+            t = tracker.table
+            for blk in blocks:
+                x, hx = blk.block_id, t.hash[blk.block_id]
+                if hx is None:
+                    continue
+                self.evictions += 1
+                if self.reorders:
+                    for y in free_list(pool):
+                        if y.block_hash is not None and t.parent_block[y.block_id] == x and t.parent[y.block_id] == hx:
+                            self.violations.append(f"evicted block {x} before its free cached child {y.block_id}")
+            original_allocated(blocks)
+
+        tracker.on_allocated = on_allocated  # type: ignore[method-assign]
+
+    def check(self) -> None:
+        assert not self.violations, self.violations[0]
+        pool = self.pool
+        free = free_list(pool)
+        ids = {b.block_id for b in free}
+        assert len(ids) == len(free) == pool.free_block_queue.num_free_blocks
+        null = pool.null_block
+        assert null.block_id not in ids and null.block_hash is None, "null block queued or hashed"
+        for blk in pool.blocks:
+            if blk.is_null:
+                continue
+            assert (blk.block_id in ids) == (blk.ref_cnt == 0), f"block {blk.block_id}: ref {blk.ref_cnt}"
+        if self.steering is not None and self.steering.index is not None:
+            index = self.steering.index
+            held = {b for b in range(pool.num_gpu_blocks) if index.held[b]}
+            assert held <= ids, "the index holds a block that is not free"
+            cached_free = {b.block_id for b in free if b.block_hash is not None}
+            assert cached_free <= held, "a cached free block is not a candidate"
+            assert len(index) == len(held)
+        assert self.tracker.errors == 0
+
+
+# Requests: one of three families (a chain of up to 4 shared blocks), a private tail, sometimes a session hint.
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(0, 2), st.integers(0, 4), st.integers(1, 40), st.integers(0, 3)),
+        st.tuples(st.just("free"), st.integers(0, 50)),
+        st.tuples(st.just("raw"), st.integers(0, 8)),
+        st.tuples(st.just("reset")),
+    ),
+    min_size=5,
+    max_size=60,
+)
+
+
+def run_ops(ops: list[tuple], policy: str, num_blocks: int, anchor: int | None) -> Checker:
+    manager, inst, steering = make_manager(num_blocks, policy, anchor)
+    checker = Checker(manager, inst, steering, reorders=policy != "lru")
+    pool = manager.block_pool
+    running: list[Request] = []
+    raw: list[Any] = []
+    serial = 0
+    for op in ops:
+        if op[0] == "admit":
+            _, fam, depth, tail, hint = op
+            tokens = [1000 + fam * 10 + d for d in range(depth) for _ in range(BLOCK)]
+            tokens += [5000 + serial * 50 + i for i in range(tail)]
+            extra = None
+            if hint == 1:
+                extra = {"kvfabric_session": f"s{fam}"}
+            elif hint == 2:
+                extra = {"kvfabric_session": f"s{fam}", "kvfabric_session_end": True}
+            req = make_request(f"r{serial}", tokens, extra)
+            serial += 1
+            if admit(manager, req) is not None:
+                running.append(req)
+        elif op[0] == "free" and running:
+            manager.free(running.pop(op[1] % len(running)))
+        elif op[0] == "raw":
+            # Raw blocks stay allocated until the next raw operation, so evictions leave survivors behind.
+            pool.free_blocks(reversed(raw))
+            raw = pool.get_new_blocks(min(op[1], pool.get_num_free_blocks()))
+        elif op[0] == "reset" and not running and not raw:
+            assert manager.reset_prefix_cache()
+        checker.check()
+    pool.free_blocks(reversed(raw))
+    while running:
+        manager.free(running.pop())
+        checker.check()
+    # Then evict everything cached, one block per call (the policy's order), checking every eviction.
+    taken = [pool.get_new_blocks(1)[0] for _ in range(pool.get_num_free_blocks())]
+    checker.check()
+    pool.free_blocks(taken)
+    checker.check()
+    return checker
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+@settings(max_examples=35, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, num_blocks=st.integers(6, 24), anchor=st.sampled_from([None, 0, 2]))
+def test_invariants_hold_under_random_operations(policy: str, ops: list[tuple], num_blocks: int,
+                                                 anchor: int | None) -> None:
+    run_ops(ops, policy, num_blocks, anchor)
+
+
+@pytest.mark.parametrize("policy", REORDERING)
+def test_pressure_sequence_evicts_through_the_policy(policy: str) -> None:
+    """A fixed sequence that must evict: victims come from the index, and the checks ran on every eviction."""
+    ops = [("admit", f % 3, 4, 30, 0) for f in range(12)] + [("free", 0)] * 12
+    ops = [op for pair in zip(ops[:12], ops[12:], strict=True) for op in pair]
+    checker = run_ops([*ops, ("admit", 0, 4, 30, 0), ("free", 0)], policy, 16, 0)
+    assert checker.evictions > 0
+    assert checker.steering is not None and checker.steering.victims > 0
+
+
+def test_lru_attaches_nothing_and_changes_nothing() -> None:
+    """With policy lru (and no gate) the queue keeps vLLM's class and allocations are identical to no hook."""
+    manager, inst, steering = make_manager(12, "lru", anchor=None)
+    assert steering is None
+    assert type(manager.block_pool.free_block_queue) is FreeKVCacheBlockQueue
+    assert inst.tracker.admission_gate is None and inst.tracker.policy is None
+    plain, _, _ = make_manager(12, "lru", anchor=None)
+    init_none_hash(sha256)
+    plain = KVCacheManager(
+        KVCacheConfig(num_blocks=12, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                                                          dtype=torch.float32))]),
+        max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True, hash_block_size=BLOCK)
+    for m in (manager, plain):
+        got = []
+        for i in range(8):
+            req = make_request(f"x{i}", [7] * 32 + [i] * (10 + i * 3))
+            got.append(admit(m, req))
+            m.free(req)
+        m.got = got  # type: ignore[attr-defined]
+    assert manager.got == plain.got  # type: ignore[attr-defined]
+
+
+def test_family_protect_passes_over_protected_blocks() -> None:
+    """A block hit once is protected: the unprotected tail of another request goes first, in O(1)."""
+    manager, inst, _steering = make_manager(9, "family_protect", anchor=0)  # 8 usable blocks
+    a = make_request("a", [1] * 32 + [2])
+    admit(manager, a)
+    manager.free(a)
+    b = make_request("b", [1] * 32 + [3])  # hits a's two blocks: they become protected
+    admit(manager, b)
+    manager.free(b)
+    c = make_request("c", [9] * 64 + [4])  # five blocks, cached, unprotected
+    admit(manager, c)
+    manager.free(c)
+    d = make_request("d", [8] * 64 + [5])  # needs five: evicts c's cached blocks, not a's protected ones
+    admit(manager, d)
+    pool = manager.block_pool
+    a_blocks = [blk for blk in pool.blocks if blk.block_hash is not None and inst.tracker.table.hits[blk.block_id] > 0]
+    assert len(a_blocks) == 2, "the protected trunk survived"
+    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.tracker.buffer.drain()]
+    evicted = [e for e in ev if e["event"] == S.BLOCK_EVICTED]
+    assert evicted and all(not e["protected"] for e in evicted)
+
+
+def test_ranked_policy_reports_scores_bounded() -> None:
+    manager, inst, _steering = make_manager(10, "shared_aware", anchor=0)
+    for i in range(6):
+        r = make_request(f"q{i}", [i + 1] * 48 + [0])
+        admit(manager, r)
+        manager.free(r)
+    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.tracker.buffer.drain()]
+    ranked = [e for e in ev if e["event"] == S.EVICTION_CANDIDATES_RANKED]
+    evicted = [e for e in ev if e["event"] == S.BLOCK_EVICTED]
+    assert evicted and ranked
+    assert len(ranked) <= len(evicted)  # one event per allocation call, not one per candidate
+    assert sum(e["count"] for e in ranked) == len(evicted)
+    assert all(e["retain_score"] is not None for e in evicted)
+
+
+def test_admission_gate_limits_unknown_families() -> None:
+    manager, inst, steering = make_manager(40, "lru", anchor=2)
+    assert steering is not None and steering.gate is not None and steering.index is None
+    first = make_request("first", [3] * 80 + [1])  # five full blocks, family unknown: only 2 cached
+    admit(manager, first)
+    assert sum(1 for b in manager.block_pool.blocks if b.block_hash is not None) == 2
+    manager.free(first)
+    second = make_request("second", [3] * 80 + [2])  # same family: hits the anchor, caches the rest
+    _computed, hit_tokens = manager.get_computed_blocks(second, second.num_tokens - 1)[:2]
+    assert hit_tokens == 2 * BLOCK
+    admit(manager, second)
+    assert sum(1 for b in manager.block_pool.blocks if b.block_hash is not None) == 5
+    hinted = make_request("hinted", [4] * 80 + [1], {"kvfabric_session": "s"})  # a hint makes it known
+    admit(manager, hinted)
+    assert sum(1 for b in manager.block_pool.blocks if b.block_hash is not None) == 10
+    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.tracker.buffer.drain()]
+    limited = [e for e in ev if e["event"] == S.CACHE_ADMISSION_LIMITED]
+    assert [(e["request_id"], e["count"]) for e in limited] == [("first", 3)]
+
+
+def test_steering_survives_a_broken_side_table() -> None:
+    manager, inst, steering = make_manager(11, "adaptive_aging", anchor=0)
+    inst.tracker.table = None  # type: ignore[assignment]
+    for i in range(5):
+        req = make_request(f"x{i}", [i + 1] * 40)
+        assert admit(manager, req) is not None
+        manager.free(req)
+    assert manager.block_pool.free_block_queue.num_free_blocks == 10
+    assert steering is not None and steering.errors >= 1
+
+
+class RootFirst(EvictionPolicy):
+    """Adversarial keys: shallow blocks first (anti-monotone). Only the index's rule keeps children first."""
+
+    name = "root_first"
+    structure = "heap"
+
+    def key(self, t: Any, b: int, now: int) -> float:
+        return float(t.depth[b] or 0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, num_blocks=st.integers(6, 24))
+def test_descendants_before_ancestors_even_with_adversarial_keys(ops: list[tuple], num_blocks: int) -> None:
+    manager, inst, _ = make_manager(num_blocks, "lru", anchor=None)
+    hook_settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"})
+    steering = attach_steering(None, manager.block_pool, inst.tracker, hook_settings, policy=RootFirst(),
+                               manager=manager)
+    checker = Checker(manager, inst, steering, reorders=True)
+    pool = manager.block_pool
+    running: list[Request] = []
+    raw: list[Any] = []
+    for serial, op in enumerate(ops):
+        if op[0] == "admit":
+            _, fam, depth, tail, _ = op
+            tokens = [1000 + fam * 10 + d for d in range(depth) for _ in range(BLOCK)] + [7] * tail
+            req = make_request(f"r{serial}", tokens)
+            if admit(manager, req) is not None:
+                running.append(req)
+        elif op[0] == "free" and running:
+            manager.free(running.pop(op[1] % len(running)))
+        elif op[0] == "raw":
+            pool.free_blocks(reversed(raw))
+            raw = pool.get_new_blocks(min(op[1], pool.get_num_free_blocks()))
+        checker.check()
+    pool.free_blocks(reversed(raw))
+    while running:
+        manager.free(running.pop())
+    # Evict everything cached, one block at a time: the checker validates each eviction.
+    taken = [pool.get_new_blocks(1)[0] for _ in range(pool.get_num_free_blocks())]
+    checker.check()
+    pool.free_blocks(taken)
+    assert steering.index is not None and len(steering.index) == 0
+
+
+@pytest.mark.parametrize("cache_aware", [False, True])
+def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache_aware: bool) -> None:
+    """Two requests of one family arrive together; prefills are interleaved (per-request chunk cap).
+
+    Without the hold the second computes the shared prefix alongside the first; with it, it waits and hits it.
+    """
+    from kvfabric.config import HookSettings
+    from kvfabric.hook.install import install
+    from kvfabric.sim.harness import SimulatedEngine, build_scheduler
+
+    scheduler = build_scheduler(2000, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=8192)
+    scheduler.scheduler_config.long_prefill_token_threshold = 256
+    if cache_aware:
+        install(scheduler, HookSettings(policy="lru", cache_aware_scheduling=True))
+    engine = SimulatedEngine(scheduler, "zero", track_evictions=False)
+    shared = [1000 + i for i in range(2048)]
+    engine.add_workload([(0.0, "a", shared + [7] * 40, 2, None), (0.0, "b", shared + [9] * 40, 2, None),
+                         (0.0, "c", [5000 + i for i in range(300)], 2, None)])
+    engine.run_until_done()
+    hit_b = engine.metrics["b"].num_cached_tokens
+    assert engine.metrics["c"].num_cached_tokens == 0
+    if cache_aware:
+        steering = scheduler.kv_cache_manager.block_pool._kvfabric_steering
+        assert steering.hold is not None and steering.hold.held_requests == {"b"}
+        assert hit_b == 2048  # the whole shared prefix, sealed by "a" first
+        assert engine.metrics["c"].first_token_s is not None  # an unrelated request is never held
+    else:
+        assert hit_b < 2048
+
+
+def test_session_hints_steer_adaptive_aging() -> None:
+    """An ended conversation's private blocks go before older blocks; a preempted one is not treated as ended."""
+    from vllm.v1.request import RequestStatus
+
+    manager, _inst, steering = make_manager(12, "adaptive_aging", anchor=0)  # 11 usable blocks
+    old = make_request("old", [1] * 48 + [0])  # three cached blocks, freed first (oldest under LRU)
+    admit(manager, old)
+    manager.free(old)
+    ended = make_request("ended", [2] * 48 + [0], {"kvfabric_session": "s", "kvfabric_session_end": True})
+    admit(manager, ended)
+    ended.status = RequestStatus.FINISHED_STOPPED
+    manager.free(ended)
+    pool = manager.block_pool
+    ended_ids = {b.block_id for b in pool.blocks if b.block_hash is not None and b.block_id not in (1, 2, 3)}
+    victims = pool.get_new_blocks(5 + 3)  # 5 uncached blocks first, then three victims
+    assert {b.block_id for b in victims[5:]} == ended_ids  # the ended session went before the older request
+    pool.free_blocks(victims)
+    preempted = make_request("pre", [3] * 48 + [0], {"kvfabric_session": "t", "kvfabric_session_end": True})
+    admit(manager, preempted)
+    manager.free(preempted)  # still WAITING: a preemption, not the end of the session
+    assert all(steering.index.keys[b.block_id] > 0 for b in pool.blocks
+               if b.block_hash is not None and steering.index.held[b.block_id])
