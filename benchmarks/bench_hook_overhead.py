@@ -14,6 +14,7 @@ allocate/free cycle of a fixed request on a pool of that size (the hook's cost m
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -69,15 +70,21 @@ def per_op_cost(num_blocks: int, hooked: bool, cycles: int = 2000) -> float:
     if hooked:
         inst = attach(manager, load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"}),
                       block_size=16, start_sink=False)
-    reqs = [make_request(f"r{i}", [i % 50_000 + 1] * 64, 1) for i in range(cycles)]
-    t0 = time.perf_counter()
-    for r in reqs:
-        computed, n, _ = manager.get_computed_blocks(r)
-        manager.allocate_slots(r, 64 - n, n, computed)
-        manager.free(r)
-        if inst is not None and len(inst.tracker.buffer) > 100_000:
-            inst.tracker.buffer.drain()
-    return (time.perf_counter() - t0) / cycles * 1e6
+    best = float("inf")
+    for rep in range(3):  # the least disturbed of three passes (a shared 2-core machine)
+        reqs = [make_request(f"r{rep}-{i}", [i % 50_000 + 1] * 64, 1) for i in range(cycles)]
+        gc.collect()
+        gc.freeze()  # as vLLM's EngineCore does after start-up: collections then skip the long-lived heap
+        t0 = time.perf_counter()
+        for r in reqs:
+            computed, n, _ = manager.get_computed_blocks(r)
+            manager.allocate_slots(r, 64 - n, n, computed)
+            manager.free(r)
+            if inst is not None and len(inst.tracker.buffer) > 10_000:
+                inst.tracker.buffer.drain()  # what the sink thread does
+        best = min(best, (time.perf_counter() - t0) / cycles * 1e6)
+        gc.unfreeze()
+    return best
 
 
 def main() -> int:
