@@ -105,3 +105,12 @@ def test_events_stream_to_a_collector_socket(capsys: pytest.CaptureFixture[str],
 
 def test_fast_mode_refuses_real_only_flags(trace: Path) -> None:
     assert main(["replay", "--trace", str(trace), "--num-blocks", "100", "--fast", "--collector", "/x"]) == 2
+
+
+def test_bad_inputs_get_a_clear_error(capsys: pytest.CaptureFixture[str], trace: Path, tmp_path: Path) -> None:
+    assert main(["replay", "--trace", str(tmp_path / "missing.jsonl"), "--num-blocks", "100"]) == 2
+    assert "no trace file" in capsys.readouterr().err
+    # A pool smaller than one request: said plainly, with the fix, instead of a traceback.
+    assert main(["replay", "--trace", str(trace), "--num-blocks", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "the pool has 2" in err and "raise --num-blocks" in err

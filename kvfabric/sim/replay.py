@@ -417,6 +417,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not os.path.isfile(args.trace):
+        print(f"kvfabric replay: no trace file {args.trace!r}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except ValueError as exc:  # a request the pool can never hold, a malformed trace row, a bad flag value
+        print(f"kvfabric replay: {exc}", file=sys.stderr)
+        if "blocks, the pool has" in str(exc):
+            print("  (raise --num-blocks: every request must fit the pool on its own)", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.fast:
         if args.collector:
             print("kvfabric replay: --collector needs the real scheduler (drop --fast)", file=sys.stderr)
