@@ -245,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
         _say(f"Parquet: {sum(counts.values()):,} events of this run read back from {os.path.abspath(args.parquet)} "
              f"({len(counts)} event types)")
         _say(f"Database: {db}")
-        _say(f"  SQL:  duckdb {db} \"SELECT event, count(*) FROM events WHERE run_id = '{run_id}' GROUP BY 1\"")
+        _say(f"  SQL:  python -c \"import duckdb; duckdb.connect('{db}', read_only=True).sql("
+             f"\\\"SELECT event, count(*) FROM events WHERE run_id = '{run_id}' GROUP BY 1\\\").show()\"")
         _say(f"  CLI:  kvfabric query run_summary --db {db} --run {run_id}")
         if args.json:
             _say(json.dumps({"summary": summary, "parquet_counts": counts, "stats": stats}, default=str))

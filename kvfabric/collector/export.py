@@ -84,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {result['events_rows']:,} events of {len(runs)} run(s) to {result['events_glob']}")
     for run_id, n in sorted(runs.items()):
         print(f"  {run_id}: {n:,}")
-    print(f"read back: duckdb -c \"SELECT count(*) FROM read_parquet('{result['events_glob']}', "
-          "hive_partitioning=true)\"")
+    print(f"read back: python -c \"import duckdb; duckdb.sql(\\\"SELECT count(*) FROM "
+          f"read_parquet('{result['events_glob']}', hive_partitioning=true)\\\").show()\"")
     return 0
