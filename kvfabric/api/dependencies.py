@@ -17,6 +17,10 @@ def get_runner(request: Request) -> QueryRunner:
     return request.app.state.runner
 
 
+Runner = Annotated[QueryRunner, Depends(get_runner)]
+"""The query runner as a route parameter type (every router reads through it)."""
+
+
 def require_token(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:

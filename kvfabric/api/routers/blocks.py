@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 
-from kvfabric.api.dependencies import get_runner
+from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import BlockHistory, ErrorBody
-from kvfabric.queries import MAX_LIMIT, QueryRunner
+from kvfabric.queries import MAX_LIMIT
 
 router = APIRouter(tags=["blocks"])
-Runner = Annotated[QueryRunner, Depends(get_runner)]
 
 
 @router.get(

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 
-from kvfabric.api.dependencies import get_runner
+from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import Comparison, ErrorBody, RunInfo, RunSummary
-from kvfabric.queries import QueryRunner
 
 router = APIRouter(tags=["runs"])
-Runner = Annotated[QueryRunner, Depends(get_runner)]
 
 
 @router.get("/runs", response_model=list[RunInfo], summary="Every run seen by this collector")
