@@ -418,10 +418,6 @@ def attach_steering(
     return steering
 
 
-def _discard_event(*args: Any, **kwargs: Any) -> None:
-    """Event sink of a tracker that runs for statistics only (lifecycle recording off)."""
-
-
 def _statistics_only(tracker: LifecycleTracker) -> None:
     """Turn a tracker whose lifecycle recording is off into a lean keeper of the side-table fields policies read.
 
@@ -434,8 +430,7 @@ def _statistics_only(tracker: LifecycleTracker) -> None:
     a use).
     """
     tracker.enabled = True
-    tracker.recording = False
-    tracker._emit = _discard_event  # type: ignore[method-assign]
+    tracker.recording = False  # the tracker's own gate: no event leaves it
 
     def nothing(*args: Any) -> None:
         return None

@@ -185,6 +185,8 @@ class LifecycleTracker:
         age_ns: int | None = None,
         ts_ns: int | None = None,
     ) -> None:
+        if not self.recording:
+            return
         self.buffer.append(
             (
                 self.clock() if ts_ns is None else ts_ns,
