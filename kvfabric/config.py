@@ -50,7 +50,7 @@ class HookSettings:
 
     @property
     def admission_gate_on(self) -> bool:
-        """The gate runs only when ``KVFABRIC_ADMISSION_ANCHOR_BLOCKS`` is set (> 0). DESIGN.md §3 gives it a
+        """The gate runs only when ``KVFABRIC_ADMISSION_ANCHOR_BLOCKS`` is set (> 0). docs/design.md §3 gives it a
         default of 24 with any policy; replaying the synthetic trace showed that default costing 2.3-9.3 points
         of hit rate at 30-50 % capacity (families of 2-5 requests lose their only reuse), so it is opt-in."""
         return self.admission_anchor_blocks > 0 and self.admission_gate_explicit
@@ -92,7 +92,7 @@ def _int(env: Mapping[str, str], name: str, default: int, warnings: list[str], m
 
 
 def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
-    """Parse ``KVFABRIC_*`` variables (DESIGN.md §3)."""
+    """Parse ``KVFABRIC_*`` variables (docs/design.md §3)."""
     env = os.environ if env is None else env
     warnings: list[str] = []
     lifecycle = env.get("KVFABRIC_LIFECYCLE", "").strip().lower() in _TRUE

@@ -1,7 +1,7 @@
 """The event contract shared by the hook, the sinks, the collector and every query.
 
 One wide table: every event is one row of :data:`EVENT_SCHEMA`, with the columns an event type does not use left
-null. Column names are the public contract (DESIGN.md §4); ``SCHEMA_VERSION`` changes whenever a column is added,
+null. Column names are the public contract (docs/design.md §4); ``SCHEMA_VERSION`` changes whenever a column is added,
 removed or retyped, and the collector refuses streams whose version it does not know.
 
 Invariants:
@@ -17,7 +17,7 @@ import pyarrow as pa
 
 SCHEMA_VERSION = 1
 
-# Event types (DESIGN.md §4). Strings, not an enum, because they are stored and queried as text.
+# Event types (docs/design.md §4). Strings, not an enum, because they are stored and queried as text.
 PREFIX_LOOKUP = "prefix_lookup"
 BLOCK_ALLOCATED = "block_allocated"
 BLOCK_SEALED = "block_sealed"

@@ -211,7 +211,7 @@ def test_every_metric_exists_in_the_collector_or_vllm() -> None:
 
 
 def test_overview_has_a_panel_for_every_design_definition() -> None:
-    """DESIGN.md §5: prefix family, shared anchor / shared-anchor eviction ratio, protected eviction ratio,
+    """docs/design.md §5: prefix family, shared anchor / shared-anchor eviction ratio, protected eviction ratio,
     rebuilt-from-eviction, regretful eviction, prefix hit rate, wasted prefill tokens; plus vLLM's own metrics."""
     d = _dashboards()["kvfabric-overview.json"]
     panels = {p["title"]: p for p in _panels(d) if p["type"] != "row"}

@@ -23,7 +23,8 @@ from kvfabric.policies.builtin import AdaptiveAgingPolicy, _GhostSet
 from kvfabric.policies.index import HeapIndex, SegmentedIndex
 from kvfabric.sim.offline import OfflineCache, TraceRequest, block_keys, load_trace, simulate
 
-TRACES = Path("/work/shared/traces")
+# The full traces are too big to carry in the repository: they sit beside the checkout (docs/design.md §8).
+TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake_conversation_first_half.jsonl"
 SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
 

@@ -808,7 +808,7 @@ def test_collector_health_metrics(stack: Stack) -> None:
 
 def test_vllm_metrics_agree_with_kvfabric(stack: Stack) -> None:
     """vLLM 0.33 counts prefix-cache queries at admission, as the hook does: vLLM's own counters equal
-    KVFabric's per-admission token counts for the same run (DESIGN.md §5)."""
+    KVFabric's per-admission token counts for the same run (docs/design.md §5)."""
     prom = stack.prom
     main = stack.summary(MAIN_RUN)
     assert prom.value("sum(vllm:prefix_cache_queries_total)") == stack.vllm_queries

@@ -1,4 +1,4 @@
-"""Steering through vLLM's real KVCacheManager/BlockPool: DESIGN.md §3 invariants under random operations.
+"""Steering through vLLM's real KVCacheManager/BlockPool: docs/design.md §3 invariants under random operations.
 
 Every policy is driven by hypothesis-generated sequences of admissions (requests built from a few shared prefix
 chains plus private tails), frees, raw ``get_new_blocks``/``free_blocks`` calls and prefix-cache resets, with the

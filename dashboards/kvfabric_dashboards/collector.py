@@ -116,7 +116,7 @@ def build_collector_health() -> Dashboard:
     ))
     d = d.with_panel(timeseries_panel(
         ids, "End-to-end lag", "Event timestamp in the scheduler to the commit of its row in DuckDB "
-        f"(kvfabric_ingest_lag_seconds). Target: p99 <= {INGEST_LAG_P99_TARGET_S:g} s (DESIGN.md §9), dashed.",
+        f"(kvfabric_ingest_lag_seconds). Target: p99 <= {INGEST_LAG_P99_TARGET_S:g} s (docs/design.md §9), dashed.",
         [
             Target(quantile_by_instance(q, "kvfabric_ingest_lag_seconds_bucket"),
                    f"p{int(q * 100)} {{{{instance}}}}")

@@ -40,7 +40,7 @@ TAGS = ["kvfabric", "vllm", "kv-cache"]
 # Thresholds shared with the alert rules in deploy/prometheus/rules/kvfabric.rules.yml.
 SHARED_ANCHOR_RATIO_WARN = 0.3
 SHARED_ANCHOR_RATIO_ALERT = 0.5
-INGEST_LAG_P99_TARGET_S = 1.0  # DESIGN.md §9: end-to-end lag p99 <= 1 s
+INGEST_LAG_P99_TARGET_S = 1.0  # docs/design.md §9: end-to-end lag p99 <= 1 s
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The operators' overview: what happens to the KV cache, per run and engine, beside vLLM's own metrics.
 
-One panel (at least) per definition of DESIGN.md §5 (prefix family, shared anchor / shared-anchor eviction ratio,
+One panel (at least) per definition of docs/design.md §5 (prefix family, shared anchor / shared-anchor eviction ratio,
 protected eviction ratio, rebuilt-from-eviction, regretful eviction, prefix hit rate, wasted prefill tokens),
 built only from the metrics of docs/metrics.md and vLLM 0.33's own ``vllm:*`` metrics.
 
@@ -77,9 +77,9 @@ def quantile(q: float, bucket: str, window: str = RATE, by: str = "le") -> str:
     return f"histogram_quantile({q}, sum by ({by}) (rate({bucket}[{window}])))"
 
 
-# DESIGN.md §5, restated where the operator reads it.
+# docs/design.md §5, restated where the operator reads it.
 DEF_HIT_RATE = (
-    "Prefix hit rate = hit tokens / prompt tokens over admissions (DESIGN.md §5), counted once per admission by "
+    "Prefix hit rate = hit tokens / prompt tokens over admissions (docs/design.md §5), counted once per admission by "
     "the hook (prefix_lookup events). vLLM's own hits/queries is charted beside it: on vLLM 0.33 both count at "
     "admission; vLLM 0.26 counts a query on every retry of a waiting request, so under memory pressure its ratio "
     "understates the true hit rate."
@@ -113,7 +113,7 @@ DEF_FAMILY = (
 
 FAMILIES_TEXT = f"""\
 **Prefix families** are requests that share their leading full blocks: one per system prompt, template,
-conversation or document (DESIGN.md §5). There can be millions, so they are **never Prometheus labels**: the
+conversation or document (docs/design.md §5). There can be millions, so they are **never Prometheus labels**: the
 metrics stop at `run` and `engine`, and every panel of this dashboard aggregates families.
 
 Per-family answers (evictions, rebuilt-from-eviction, time to rebuild, wasted prefill, hit rate) come from the

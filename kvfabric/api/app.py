@@ -35,7 +35,7 @@ def create_app(
     app = FastAPI(
         title="KVFabric collector",
         version=kvfabric.__version__,
-        description="Read-only analytics over vLLM KV-cache block lifecycle events (DESIGN.md §5, §7).",
+        description="Read-only analytics over vLLM KV-cache block lifecycle events (docs/design.md §5, §7).",
     )
     app.state.runner = runner
     app.state.registry = registry

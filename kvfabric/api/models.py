@@ -29,7 +29,7 @@ class RunInfo(BaseModel):
 
 
 class RunSummary(BaseModel):
-    """DESIGN.md §5 for one run. The first ten fields are the contract; the rest are context."""
+    """docs/design.md §5 for one run. The first ten fields are the contract; the rest are context."""
 
     run_id: str
     prompt_tokens: int

@@ -31,9 +31,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+# Relative to the repository root (run from there): the traces sit beside the checkout, too big to carry in it.
 DEFAULT_TRACES = (
-    "/work/shared/traces/mooncake_conversation_first_half.jsonl",
-    "/work/shared/traces/mooncake_synthetic_trace.jsonl",
+    "../shared/traces/mooncake_conversation_first_half.jsonl",
+    "../shared/traces/mooncake_synthetic_trace.jsonl",
 )
 FRACTIONS = (0.02, 0.05, 0.10, 0.20, 0.30, 0.50)
 POLICIES = ("lru", "family_protect", "shared_aware", "adaptive_aging", "optimal")
@@ -213,7 +214,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("Traces: `shared/traces/` (Mooncake, FAST'25, Apache-2.0), whole files. Replay: one request at a time")
     w("(the traces' README's sequential replay), vLLM's 16-token blocks, one output token per request (outputs are")
     w("made up, so their blocks are never reused). Capacity = pool size as a share of the trace's unique 16-token")
-    w("blocks. Prefix hit rate = hit tokens / prompt tokens over admissions (DESIGN.md §5); wasted prefill tokens =")
+    w("blocks. Prefix hit rate = hit tokens / prompt tokens over admissions (docs/design.md §5); wasted prefill tokens =")
     w("16 x blocks rebuilt after their eviction. *Gap closed* = (policy - LRU) / (optimum - LRU) in hit rate.")
     w("")
     w("Numbers in the tables come from the fast mode (`kvfabric replay --fast`, `kvfabric/sim/offline.py`):")
@@ -221,7 +222,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w(f"through vLLM's real scheduler {len(POLICIES)} x {len(meta['fractions'])} x 2 times takes hours on 2 cores.")
     w("The [agreement section](#agreement-real-scheduler-vs-fast-mode) shows both modes on the same rows.")
     w("")
-    w("Policies: `lru` (vLLM's own order), `family_protect` and `shared_aware` (DESIGN.md §6), `adaptive_aging`")
+    w("Policies: `lru` (vLLM's own order), `family_protect` and `shared_aware` (docs/design.md §6), `adaptive_aging`")
     w("(this project's: LRU plus an aging credit for proven blocks, learned online from ghost hits; see")
     w("[below](#adaptive_aging)), `optimal` (Belady's MIN, ties towards deeper blocks, under the same pinning).")
     w("")

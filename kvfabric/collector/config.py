@@ -17,7 +17,7 @@ TOKEN_ENV = "KVFABRIC_API_TOKEN"
 
 @dataclass
 class CollectorConfig:
-    """Everything one collector process needs. Defaults follow DESIGN.md §7.
+    """Everything one collector process needs. Defaults follow docs/design.md §7.
 
     ``token`` None means "take ``$KVFABRIC_API_TOKEN`` if set"; an empty token disables auth. ``port`` 0 binds a
     free port (read it back from :attr:`Collector.http_url`).

@@ -1,4 +1,4 @@
-"""Parquet export of a collector database: the hand-off to fleet-scale SQL engines (DESIGN.md §1).
+"""Parquet export of a collector database: the hand-off to fleet-scale SQL engines (docs/design.md §1).
 
 Layout (hive partitioning, so DuckDB, Spark, Trino and ClickHouse prune by run)::
 

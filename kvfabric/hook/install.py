@@ -1,6 +1,6 @@
 """Per-instance hooks on one Scheduler's KVCacheManager and BlockPool.
 
-How (DESIGN.md §3): the pool's class is swapped for a subclass made on the fly (``block_pool.__class__ = ...``), so
+How (docs/design.md §3): the pool's class is swapped for a subclass made on the fly (``block_pool.__class__ = ...``), so
 every object already holding the pool keeps the same object, other pools (CPU offload, connectors) are untouched,
 and vLLM's own method bodies run unchanged via ``super()``. The KVCacheManager and the Scheduler get instance
 attributes that wrap the bound methods the scheduler calls, only to give pool calls their request context.
@@ -90,7 +90,7 @@ def tracked_pool_class(base: type) -> type:
             t = self._kvfabric
             gate = t.admission_gate
             if gate is not None and num_cached_blocks < num_full_blocks:
-                # The admission gate narrows vLLM's own mask (DESIGN.md §3: a masked block is never cached).
+                # The admission gate narrows vLLM's own mask (docs/design.md §3: a masked block is never cached).
                 mask = kwargs.pop("block_mask", args[0] if args else None)
                 args = ()
                 kwargs["block_mask"] = gate.mask(t, request, blocks, num_cached_blocks, num_full_blocks, mask)

@@ -2,7 +2,7 @@
 
 ``install()`` calls :func:`attach_steering` only when ``settings.steers``: a policy other than ``lru``, the
 admission gate, or cache-aware scheduling. Plain ``lru`` never reaches this module, so vLLM's own order is
-untouched in that mode (DESIGN.md §3).
+untouched in that mode (docs/design.md §3).
 
 Eviction order: the class of the pool's ``free_block_queue`` *instance* is swapped for a subclass of vLLM's
 ``FreeKVCacheBlockQueue`` (:func:`policy_queue_class`). The doubly linked list stays the single truth about which

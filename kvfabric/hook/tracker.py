@@ -32,7 +32,7 @@ _MAX_USERS = 8  # distinct request ids remembered per block; beyond it share_deg
 
 
 def request_family(request: Any, block_hashes: Sequence[Any], family_depth: int) -> str | None:
-    """Family id of a request (DESIGN.md §5).
+    """Family id of a request (docs/design.md §5).
 
     A hint wins: ``extra_args["kvfabric_family"]``, then a ``"<family>/<rest>"`` request-id convention; otherwise
     the digest of the block at depth ``min(F, len-1)`` of the request's chain. Requests shorter than one block
@@ -246,7 +246,7 @@ class LifecycleTracker:
         self.step += 1
 
     def regret_candidates(self, request: Any, hit_tokens: int) -> list[list[Any]]:
-        """Eviction records of blocks this lookup wants but missed (DESIGN.md §5, regretful eviction).
+        """Eviction records of blocks this lookup wants but missed (docs/design.md §5, regretful eviction).
 
         Taken *before* vLLM allocates, because allocation seals (and so rebuilds) those very blocks. The walk
         stopped at ``hit_tokens``; every wanted block from there on that was evicted within the window is a miss

@@ -32,7 +32,7 @@ _KNOWN_EVENTS = frozenset(S.EVENT_TYPES)
 
 @dataclass(frozen=True)
 class StreamMeta:
-    """The metadata a stream starts with (DESIGN.md §4), parsed and checked."""
+    """The metadata a stream starts with (docs/design.md §4), parsed and checked."""
 
     stream_id: str
     engine: str

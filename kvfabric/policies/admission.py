@@ -3,7 +3,7 @@
 A request outside a known family caches at most its first ``anchor_blocks`` full blocks. The anchor is enough for
 a later request of the same family to find it (and make the family known); the long private remainder, which a
 one-off request never reuses, stays out of the prefix cache, so it cannot push shared prefixes out. vLLM keeps
-such blocks uncached, so they return to the head of the free queue and are reused first (DESIGN.md §3).
+such blocks uncached, so they return to the head of the free queue and are reused first (docs/design.md §3).
 
 Known family: one seen before in this engine (a previous request had the same family id), or one the client
 named (a ``kvfabric_family`` or ``kvfabric_session`` hint: the client says more is coming). The decision is taken

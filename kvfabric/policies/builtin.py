@@ -1,4 +1,4 @@
-"""The built-in policies of DESIGN.md §6, each a key function over block statistics.
+"""The built-in policies of docs/design.md §6, each a key function over block statistics.
 
 ``lru`` here exists for the offline replay and for tests (one FIFO segment = vLLM's own order); inside vLLM the
 ``lru`` policy attaches nothing at all.
@@ -28,7 +28,7 @@ class LRUPolicy(EvictionPolicy):
 class FamilyProtectPolicy(EvictionPolicy):
     """vLLM's order, but a protected block is passed over while unprotected candidates exist.
 
-    Protected: ``hit_count >= protect_min_hit_count`` or ``share_degree >= 2`` (DESIGN.md §6). Two FIFO segments,
+    Protected: ``hit_count >= protect_min_hit_count`` or ``share_degree >= 2`` (docs/design.md §6). Two FIFO segments,
     O(1). A block's statistics only change while it is in use, so its segment, fixed when it becomes a candidate,
     stays right until it is used again.
     """
@@ -59,7 +59,7 @@ class SharedAwarePolicy(EvictionPolicy):
     the block's recency: the key is ``score * 2**40 + now``. Every term is monotone along a chain (a parent has at
     least its child's hits, users and children, and is shallower), so ancestors outlive descendants.
 
-    This is DESIGN.md §6's ``shared_aware`` as specified, protection that never ages: it helps at tight capacity
+    This is docs/design.md §6's ``shared_aware`` as specified, protection that never ages: it helps at tight capacity
     and is expected to lose to LRU at moderate capacity (the lesson that motivates ``session_aging``).
     """
 
@@ -125,7 +125,7 @@ class AdaptiveAgingPolicy(EvictionPolicy):
 
     Key: ``now + D`` for a proven block, ``now`` for an unproven one (``now`` = blocks handed out so far). With
     ``D = 0`` this is exactly vLLM's LRU; with ``D > 0`` a proven block outlives unproven blocks that were last
-    used up to ``D`` allocations after it, and no longer: protection ages (DESIGN.md §6), it is never permanent.
+    used up to ``D`` allocations after it, and no longer: protection ages (docs/design.md §6), it is never permanent.
 
     *Proven*: reused while cached (``hit_count >= 1`` or ``share_degree >= 2``), or rebuilt soon after being
     evicted (its digest was still in the ghost memory when a request asked for it again: it was worth keeping).

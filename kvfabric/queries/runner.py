@@ -149,7 +149,7 @@ class QueryRunner:
             return bool(self._rows(con, "run_exists", run=run)[0]["found"])
 
     def run_summary(self, run: str) -> Row:
-        """The DESIGN.md §5 summary of one run (fields: see sql/run_summary.sql)."""
+        """The docs/design.md §5 summary of one run (fields: see sql/run_summary.sql)."""
         with self._connection() as con:
             self._require_run(con, run)
             return self._rows(con, "run_summary", run=run)[0]

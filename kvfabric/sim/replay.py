@@ -43,7 +43,7 @@ REPLAY_POLICIES: tuple[str, ...] = (*POLICY_NAMES, "optimal")
 
 @dataclass
 class EventCounts:
-    """The run's numbers, counted from hook events (DESIGN.md §5 definitions)."""
+    """The run's numbers, counted from hook events (docs/design.md §5 definitions)."""
 
     by_event: Counter[str] = field(default_factory=Counter)
     requests: int = 0

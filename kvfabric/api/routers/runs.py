@@ -21,7 +21,7 @@ def list_runs(runner: Runner) -> list[dict[str, object]]:
     "/runs/{run_id}/summary",
     response_model=RunSummary,
     responses={404: {"model": ErrorBody}},
-    summary="Analytics summary of one run (DESIGN.md §5)",
+    summary="Analytics summary of one run (docs/design.md §5)",
 )
 def run_summary(run_id: str, runner: Runner) -> dict[str, object]:
     return runner.run_summary(run_id)
