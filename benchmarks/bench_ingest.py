@@ -46,7 +46,7 @@ EVENT_MIX = [  # roughly the shape of a lifecycle stream: touches and ref-count 
 def template(run_id: str, engine: str, rows: int, seed: int) -> dict[str, pa.Array]:
     """Columns of one realistic batch (seq and ts_ns are replaced per send).
 
-    Shaped like the hook's rows (kvfabric/hook/tracker.py): block events carry every block column (random 64-bit
+    Shaped like the hook's rows (kvfabric/hook/lifecycle.py): block events carry every block column (random 64-bit
     hashes, so nothing compresses for free), prefix_lookup rows carry the token columns, ``count`` and ``age_ns``
     are set only on the events that define them; request ids look like vLLM's.
     """

@@ -6,7 +6,7 @@ queue), ``cache_full_blocks`` (sealing, the hook's side table) and ``free_blocks
 The figure is wall time per allocated block, the median of ``--repeats`` runs of ``--rounds`` rounds each.
 
 ``lru`` is vLLM without any hook. The other rows run the hook as a server would with ``KVFABRIC_EVICTION_POLICY``
-set and lifecycle recording off (the tracker then keeps statistics only), plus ``+events`` rows with lifecycle
+set and lifecycle recording off (steering then keeps statistics only), plus ``+events`` rows with lifecycle
 recording on (events go to the in-memory buffer, drained outside the timed region).
 
 Usage: python benchmarks/bench_policy_cost.py [--sizes 10000,100000,1000000] [--out benchmarks/results/...md]
@@ -28,7 +28,7 @@ BATCH = 64
 
 
 class _FakeRequest:
-    """What ``cache_full_blocks`` and the tracker read from a request."""
+    """What ``cache_full_blocks`` and the hook read from a request."""
 
     __slots__ = ("block_hashes", "num_computed_tokens", "num_prompt_tokens", "request_id", "sampling_params")
 
@@ -57,8 +57,8 @@ def build(num_blocks: int, policy: str, events: bool) -> tuple[Any, Any]:
     from vllm.v1.core.block_pool import BlockPool
 
     from kvfabric.config import load_hook_settings
-    from kvfabric.hook.install import attach
-    from kvfabric.hook.steering import attach_steering
+    from kvfabric.hook.install import build_hook
+    from kvfabric.hook.outlets import NullOutlet
 
     pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=16)
     if policy == "lru" and not events:
@@ -68,11 +68,9 @@ def build(num_blocks: int, policy: str, events: bool) -> tuple[Any, Any]:
         env["KVFABRIC_LIFECYCLE"] = "1"
     settings = load_hook_settings(env)
     manager = _Manager(pool)
-    inst = attach(manager, settings, block_size=16, engine="bench", start_sink=False)
+    inst = build_hook(manager, settings, block_size=16, engine="bench", outlet=NullOutlet())
     assert inst is not None
-    if settings.steers:
-        attach_steering(None, pool, inst.tracker, settings, manager=manager)
-    return pool, inst.tracker
+    return pool, inst
 
 
 def _round(pool: Any, serial: int) -> None:
@@ -84,13 +82,13 @@ def _round(pool: Any, serial: int) -> None:
 
 def measure(num_blocks: int, policy: str, events: bool, rounds: int, repeats: int) -> float:
     """Median µs per allocated block."""
-    pool, tracker = build(num_blocks, policy, events)
+    pool, inst = build(num_blocks, policy, events)
     serial = 0
     for _ in range((num_blocks - 1) // BATCH + 2):  # every block cached: from now on each allocation evicts
         _round(pool, serial)
         serial += 1
-        if tracker is not None:
-            tracker.buffer.drain()
+        if inst is not None:
+            inst.flush()
     samples = []
     for _ in range(repeats):
         gc.collect()
@@ -99,8 +97,8 @@ def measure(num_blocks: int, policy: str, events: bool, rounds: int, repeats: in
             _round(pool, serial)
             serial += 1
         samples.append((time.perf_counter() - t0) / (rounds * BATCH) * 1e6)
-        if tracker is not None:
-            tracker.buffer.drain()
+        if inst is not None:
+            inst.flush()
     return statistics.median(samples)
 
 

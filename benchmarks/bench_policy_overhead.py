@@ -6,8 +6,8 @@ on a pool small enough that every allocation evicts. The figure is the CPU time 
 
 * ``lru``: vLLM without the hook (the baseline);
 * each policy with lifecycle recording off (what ``KVFABRIC_EVICTION_POLICY=<p>`` alone installs);
-* ``lru +events`` and ``<p> +events``: lifecycle recording on (events buffered, no sink thread), where the
-  policy's own cost is the difference between the two.
+* ``lru +events`` and ``<p> +events``: lifecycle recording on (call records made and handed over every step, then
+  dropped: the hot path's whole cost without a forwarder), where the policy's own cost is the difference.
 
 Runs are interleaved (round robin over configurations, ``--repeats`` rounds) and each configuration's median is
 reported with its ratio to its baseline.
@@ -22,48 +22,27 @@ import os
 import platform
 import statistics
 import sys
-from typing import Any
 
 
 def run_once(policy: str, events: bool, requests: int, num_blocks: int, seed: int) -> float:
     from kvfabric.config import load_hook_settings
-    from kvfabric.hook.install import install
+    from kvfabric.hook.install import build_hook
+    from kvfabric.hook.outlets import NullOutlet
     from kvfabric.sim.harness import SimulatedEngine, build_scheduler
     from kvfabric.sim.workload import unique_cold_workload
 
-    scheduler = build_scheduler(num_blocks, max_num_seqs=16, max_num_batched_tokens=2048)
+    scheduler = build_scheduler(num_blocks, max_num_seqs=16, max_num_batched_tokens=2048, load_plugins=False)
     if policy != "lru" or events:
         env = {"KVFABRIC_EVICTION_POLICY": policy, "KVFABRIC_SINK": "none", "KVFABRIC_ADMISSION_ANCHOR_BLOCKS": "0"}
         if events:
             env["KVFABRIC_LIFECYCLE"] = "1"
-        settings = load_hook_settings(env)
-        # The sink is never started here (sink "none" would drain the buffer on a thread: not what is measured).
-        inst = install(scheduler, settings.__class__(**{**settings.__dict__, "lifecycle": False})) \
-            if not events else _install_buffered(scheduler, settings)
-        assert inst is not None or not settings.active
+        inst = build_hook(scheduler.kv_cache_manager, load_hook_settings(env), scheduler=scheduler,
+                          engine="bench", outlet=NullOutlet())
+        assert inst is not None
     engine = SimulatedEngine(scheduler, "zero", track_evictions=False)
     engine.add_workload(unique_cold_workload(seed, num_requests=requests))
-    tracker = getattr(getattr(scheduler, "_kvfabric", None), "tracker", None)
-    while engine.has_unfinished():
-        engine.step()
-        if tracker is not None:
-            tracker.buffer.drain()
+    engine.run_until_done()
     return engine.stats.wall_s
-
-
-def _install_buffered(scheduler: Any, settings: Any) -> Any:
-    """install() with lifecycle on but no sink thread: events accumulate in the buffer, drained between steps."""
-    from kvfabric.hook import install as hook
-
-    manager = scheduler.kv_cache_manager
-    inst = hook.attach(manager, settings, block_size=scheduler.block_size, engine="bench", start_sink=False)
-    hook._wrap_step(scheduler, inst.tracker)
-    if settings.steers:
-        from kvfabric.hook.steering import attach_steering
-
-        attach_steering(scheduler, manager.block_pool, inst.tracker, settings)
-    scheduler._kvfabric = inst
-    return inst
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ class HookSettings:
     evicted_memory: int = 1_000_000  # recently evicted hashes kept for rebuilt/regret detection
     regret_window_s: float = 60.0
     cache_aware_scheduling: bool = False
+    family_from_request_id: bool = False  # KVFABRIC_FAMILY_FROM_REQUEST_ID: "<family>/<rest>" request ids (opt-in)
     admission_gate_explicit: bool = False  # KVFABRIC_ADMISSION_ANCHOR_BLOCKS was set
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -73,6 +74,7 @@ class HookSettings:
             "family_depth": self.family_depth,
             "regret_window_s": self.regret_window_s,
             "cache_aware_scheduling": self.cache_aware_scheduling,
+            "family_from_request_id": self.family_from_request_id,
         }
 
 
@@ -128,6 +130,7 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
         evicted_memory=_int(env, "KVFABRIC_EVICTED_MEMORY", 1_000_000, warnings, minimum=1),
         regret_window_s=regret,
         cache_aware_scheduling=env.get("KVFABRIC_CACHE_AWARE_SCHEDULING", "").strip().lower() in _TRUE,
+        family_from_request_id=env.get("KVFABRIC_FAMILY_FROM_REQUEST_ID", "").strip().lower() in _TRUE,
         admission_gate_explicit=bool(env.get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS", "").strip()),
         warnings=tuple(warnings),
     )

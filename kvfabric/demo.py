@@ -141,14 +141,13 @@ def run_workload(sock: str, run_id: str, policy: str, seed: int, num_blocks: int
                     done = n
 
             engine.run_until_done(progress)
-        sink = installation.sink
         installation.close()  # flush every event to the collector
+        outlet = installation.outlet
         return {
             "engine": engine.summary(),
-            "events_emitted": installation.tracker.buffer.total,
-            "events_sent": sink.sent_events if sink is not None else 0,
-            "rows_sent": sink.sent_rows if sink is not None else 0,
-            "events_lost": sink.lost_events if sink is not None else 0,
+            "events_emitted": getattr(outlet, "expanded_events", 0),
+            "rows_sent": getattr(outlet, "delivered_events", 0),
+            "events_lost": outlet.lost_events,
         }
 
 
@@ -233,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         collector.start()
         stats = run_workload(sock, run_id, args.policy, args.seed, args.num_blocks)
         stored = wait_ingested(collector.http_url, run_id, stats["rows_sent"])
-        _say(f"  events: {stats['events_emitted']:,} emitted, {stats['events_sent']:,} sent, "
+        _say(f"  events: {stats['events_emitted']:,} emitted, {stats['rows_sent']:,} sent, "
              f"{stats['events_lost']:,} lost; {stored:,} rows stored in DuckDB")
         summary = get_json(f"{collector.http_url}/api/v1/runs/{run_id}/summary")
         fams = get_json(f"{collector.http_url}/api/v1/families?run={run_id}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Event types (docs/design.md §4). Strings, not an enum, because they are stored and queried as text.
 PREFIX_LOOKUP = "prefix_lookup"
@@ -30,6 +30,12 @@ BLOCK_EVICTED = "block_evicted"
 BLOCK_REBUILT = "block_rebuilt"
 CACHE_RESET = "cache_reset"
 SINK_DROPPED = "sink_dropped"
+
+# Why a block_evicted happened (docs/design.md §4): a bounded set, so it can be a metric label.
+REASON_PRESSURE = "pressure"  # get_new_blocks reused it for a new allocation
+REASON_CONNECTOR = "connector"  # evict_blocks (KV connectors)
+REASON_RESET = "reset"  # reset_prefix_cache dropped every cached block
+EVICTION_REASONS: tuple[str, ...] = (REASON_PRESSURE, REASON_CONNECTOR, REASON_RESET)
 
 EVENT_TYPES: tuple[str, ...] = (
     PREFIX_LOOKUP,
@@ -71,6 +77,7 @@ _FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("count", pa.int64(), "sink_dropped: events lost; cache_admission_limited: blocks not cached; "
                           "eviction_candidates_ranked: candidates considered; prefix_lookup: regretful evictions"),
     ("age_ns", pa.int64(), "block_rebuilt: ns since its eviction; block_evicted: ns since its last use"),
+    ("reason", pa.string(), "block_evicted: why the block lost its content: pressure, connector or reset"),
 )
 
 EMIT_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _FIELDS)

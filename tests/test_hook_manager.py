@@ -20,7 +20,7 @@ from vllm.v1.request import Request
 
 from kvfabric import schema as S
 from kvfabric.config import load_hook_settings
-from kvfabric.hook.install import Installation, attach
+from kvfabric.hook.install import Installation, build_hook
 
 pytestmark = pytest.mark.vllm
 BLOCK = 16
@@ -41,7 +41,7 @@ def make_manager(num_blocks: int, hooked: bool) -> tuple[KVCacheManager, Install
     inst = None
     if hooked:
         settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_RUN_ID": "t"})
-        inst = attach(manager, settings, block_size=BLOCK, engine="test", start_sink=False)
+        inst = build_hook(manager, settings, block_size=BLOCK, engine="test", outlet="local")
         assert inst is not None
     return manager, inst
 
@@ -54,7 +54,7 @@ def make_request(rid: str, tokens: list[int]) -> Request:
 
 
 def events(inst: Installation) -> list[dict[str, Any]]:
-    return [dict(zip(S.EMIT_COLUMNS, row, strict=True)) for row in inst.tracker.buffer.drain()]
+    return [dict(zip(S.EMIT_COLUMNS, row, strict=True)) for row in inst.drain()]
 
 
 def admit(manager: KVCacheManager, req: Request, prompt_len: int) -> list[int]:
@@ -115,6 +115,7 @@ def test_vllm_prefill_expectations_hold_with_hook_and_events_are_exact() -> None
     assert [e["depth"] for e in evicted] == [2, 1, 0]
     assert all(e["share_degree"] == 3 and e["hit_count"] == 2 for e in evicted)
     assert all(e["request_id"] == "3" for e in evicted)
+    assert all(e["reason"] == S.REASON_PRESSURE and e["ref_count"] == 0 for e in evicted)
     sealed = {e["block_id"]: e for e in ev if e["event"] == S.BLOCK_SEALED and e["request_id"] == "0"}
     assert [e["block_hash"] for e in evicted] == [sealed[b]["block_hash"] for b in (3, 2, 1)]
     assert sealed[2]["parent_hash"] == sealed[1]["block_hash"] and sealed[1]["parent_hash"] is None
@@ -151,18 +152,23 @@ def test_rebuilt_and_regretful_eviction_detected() -> None:
     assert lookup_c["count"] == 3  # three regretful evictions: all wanted again within the window
 
 
+class _Broken(list):
+    def append(self, item: object) -> None:
+        raise RuntimeError("injected")
+
+
 def test_hook_errors_never_reach_vllm() -> None:
     manager, inst = make_manager(11, hooked=True)
     assert inst is not None
-    inst.tracker.table = None  # type: ignore[assignment]  # every observer now fails internally
+    inst.recorder.log = _Broken()  # every record now fails to be kept
     req = make_request("x", [1] * 40)
     assert admit(manager, req, 40) == [1, 2, 3]
     manager.free(req)
-    assert inst.tracker.errors == 1 and not inst.tracker.enabled
+    assert inst.recorder.errors == 1 and not inst.recorder.on
     assert manager.block_pool.free_block_queue.num_free_blocks == 10
 
 
-def test_reset_prefix_cache_recorded() -> None:
+def test_reset_prefix_cache_drops_every_cached_block_with_its_reason() -> None:
     manager, inst = make_manager(11, hooked=True)
     assert inst is not None
     req = make_request("x", [1] * 40)
@@ -171,4 +177,22 @@ def test_reset_prefix_cache_recorded() -> None:
     assert manager.reset_prefix_cache()
     ev = events(inst)
     assert [e["event"] for e in ev][-1] == S.CACHE_RESET
-    assert inst.tracker.table.hash[1] is None
+    dropped = [e for e in ev if e["event"] == S.BLOCK_EVICTED]
+    assert sorted(e["block_id"] for e in dropped) == [1, 2]  # the two full blocks of x were cached
+    assert {e["reason"] for e in dropped} == {S.REASON_RESET}
+    again = make_request("y", [1] * 40)  # the same prefix, computed again after the reset: rebuilt
+    admit(manager, again, 40)
+    rebuilt = [e for e in events(inst) if e["event"] == S.BLOCK_REBUILT]
+    assert len(rebuilt) == 2
+
+
+def test_connector_eviction_keeps_the_ref_count_and_says_why() -> None:
+    manager, inst = make_manager(11, hooked=True)
+    assert inst is not None
+    req = make_request("x", [1] * 40)
+    assert admit(manager, req, 40) == [1, 2, 3]
+    manager.evict_blocks({1, 2, 7})  # block 7 is not cached: vLLM skips it, so do we
+    ev = [e for e in events(inst) if e["event"] == S.BLOCK_EVICTED]
+    assert [(e["block_id"], e["reason"], e["ref_count"]) for e in ev] == [
+        (1, S.REASON_CONNECTOR, 1), (2, S.REASON_CONNECTOR, 1)]
+    assert manager.block_pool.blocks[1].block_hash is None  # vLLM did evict them

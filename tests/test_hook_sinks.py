@@ -14,7 +14,7 @@ import pytest
 
 from kvfabric import schema as S
 from kvfabric.hook.buffer import EventBuffer
-from kvfabric.hook.sinks import ForwardingSink, JsonlSink, UnixArrowSink
+from kvfabric.hook.sinks import JsonlSink, UnixArrowSink
 
 
 def row(i: int, event: str = S.BLOCK_ALLOCATED) -> tuple:
@@ -192,57 +192,3 @@ def test_buffer_never_exceeds_capacity(capacity: int) -> None:
     for i in range(2000):
         buffer.append(row(i))
     assert len(buffer) == capacity and buffer.dropped == 2000 - capacity and buffer.total == 2000
-
-
-def make_forwarding_sink(path: str, buffer: EventBuffer) -> ForwardingSink:
-    meta = {S.META_SCHEMA_VERSION: str(S.SCHEMA_VERSION), S.META_ENGINE: "e", S.META_RUN_ID: "r",
-            S.META_BLOCK_SIZE: "16", S.META_NUM_BLOCKS: "10", S.META_POLICY: "lru"}
-    return ForwardingSink(path, buffer, meta, dropped_row, batch_events=100, flush_ms=20)
-
-
-def test_forwarding_sink_streams_through_a_child_process(tmp_path: Path) -> None:
-    """The default unix:// sink: rows are pickled to a forwarder process that speaks Arrow to the collector."""
-    path = str(tmp_path / "f.sock")
-    server = StreamServer(path)
-    buffer = EventBuffer(capacity=10_000, wake_at=100)
-    sink = make_forwarding_sink(path, buffer)
-    sink.start()
-    for i in range(1000):
-        buffer.append(row(i))
-    wait_for(lambda: sink.spawns == 1)
-    child = sink._proc
-    assert child is not None and child.pid != os.getpid()
-    sink.close()
-    assert child.poll() == 0  # closing the pipe made the forwarder flush and exit cleanly
-    wait_for(lambda: len(server.rows()) == 1000)
-    assert [r["block_id"] for r in server.rows()] == list(range(1000))
-    assert server.streams[0][S.META_STREAM_ID] == sink.metadata[S.META_STREAM_ID]
-    server.close()
-
-
-def test_forwarder_death_is_counted_and_it_restarts(tmp_path: Path) -> None:
-    path = str(tmp_path / "k.sock")
-    server = StreamServer(path)
-    buffer = EventBuffer(capacity=10_000, wake_at=10)
-    sink = make_forwarding_sink(path, buffer)
-    sink.start()
-    for i in range(50):
-        buffer.append(row(i))
-    wait_for(lambda: len(server.rows()) == 50)
-    assert sink._proc is not None
-    sink._proc.kill()
-    sink._proc.wait()
-    for i in range(50, 300):
-        buffer.append(row(i))
-        time.sleep(0.002)
-    wait_for(lambda: sink.spawns >= 2)
-    sink.close()
-    time.sleep(0.3)
-    rows = server.rows()
-    delivered = [r for r in rows if r["event"] != S.SINK_DROPPED]
-    reported = sum(r["count"] for r in rows if r["event"] == S.SINK_DROPPED)
-    # Whatever was written to the dead child is counted lost and reported by the restarted one.
-    assert len(delivered) + sink.lost_events == 300
-    assert reported == sink.lost_events
-    assert len({s[S.META_STREAM_ID] for s in server.streams}) == 1
-    server.close()

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.hook.tracker import SideTable
 from kvfabric.policies import POLICY_NAMES, make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
 from kvfabric.policies.base import EvictionPolicy, RequestInfo
 from kvfabric.policies.builtin import AdaptiveAgingPolicy, _GhostSet
 from kvfabric.policies.index import HeapIndex, SegmentedIndex
+from kvfabric.side_table import SideTable
 from kvfabric.sim.offline import OfflineCache, TraceRequest, block_keys, load_trace, simulate
 
 # The full traces are too big to carry in the repository: they sit beside the checkout (docs/design.md §8).
@@ -40,7 +40,7 @@ class KeyFromTable(EvictionPolicy):
     name = "test_heap"
     structure = "heap"
 
-    def key(self, t: Any, b: int, now: int) -> float:
+    def key(self, t: Any, b: int, now: int, ctx: Any) -> float:
         return float(t.hits[b])
 
 
@@ -126,7 +126,7 @@ def test_policy_names_are_constructible_and_keys_monotone_along_a_chain() -> Non
         policy = make_policy(name)
         policy.bind(4)
         assert policy.name == name
-        assert policy.key(t, 1, 10) >= policy.key(t, 2, 10), name
+        assert policy.key(t, 1, 10, None) >= policy.key(t, 2, 10, None), name
 
 
 def test_ghost_set_is_bounded_and_remembers_recent() -> None:
@@ -143,21 +143,19 @@ def test_adaptive_aging_learns_credit_from_ghosts_and_honours_hints() -> None:
     t = SideTable(8)
     t.hash[1], t.share[1], t.hits[1] = 21, 1, 0  # unproven
     t.hash[2], t.share[2], t.hits[2] = 22, 2, 1  # proven
-    assert p.key(t, 1, 5) == p.key(t, 2, 5) == 5.0  # credit 0: exactly LRU
+    assert p.key(t, 1, 5, None) == p.key(t, 2, 5, None) == 5.0  # credit 0: exactly LRU
     p.on_evicted(t, 2, 5)  # a proven block evicted ...
     p.on_request_started(RequestInfo("r"), 0, 1, [22])  # ... and wanted again: more credit
-    assert p.credit > 0 and p.key(t, 2, 6) > p.key(t, 1, 6)
+    assert p.credit > 0 and p.key(t, 2, 6, None) > p.key(t, 1, 6, None)
     credit = p.credit
     p.on_evicted(t, 1, 7)  # an unproven block evicted and wanted again: less credit
     p.on_request_started(RequestInfo("r2"), 0, 1, [21])
     assert p.credit < credit
     t.hash[3], t.share[3] = 23, 1
-    p.on_request_finished(RequestInfo("s", session="x", session_end=True), ())
-    assert p.key(t, 3, 9) < 0  # ended session's private block goes first
-    p.on_request_freed()
-    p.on_request_finished(RequestInfo("s", session="x"), ())
-    assert p.key(t, 3, 9) == 9 + p.credit  # live session: its tail is its next turn's prefix
-    p.on_request_freed()
+    # The request context is an argument: the same block keyed for different freeing requests.
+    assert p.key(t, 3, 9, RequestInfo("s", session="x", session_end=True)) < 0  # an ended session goes first
+    assert p.key(t, 3, 9, RequestInfo("s", session="x")) == 9 + p.credit  # live: its tail is its next prefix
+    assert p.key(t, 3, 9, RequestInfo("s")) == 9.0  # no hint: plain recency
 
 
 def test_admission_gate_decision_is_sticky_and_bounded() -> None:

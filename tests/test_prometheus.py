@@ -425,6 +425,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             engine = SimulatedEngine.create(NUM_BLOCKS)
             installation = getattr(engine.scheduler, "_kvfabric", None)
             assert installation is not None, "the KVFabric hook did not install itself on the scheduler"
+            # The forwarder child starts with the engine; in a real server vLLM's own start-up (weights, memory
+            # profiling, CUDA graphs) takes far longer than its ~1 s of imports. Here traffic starts at once, so
+            # wait for it: the lag asserted below is the steady-state lag, not a child process's start-up.
+            assert installation.outlet.wait_ready()
             bridge = VllmMetricsBridge(engine.scheduler)
             http_server, _ = start_http_server(vllm_port, addr="127.0.0.1")
             cleanup.callback(http_server.server_close)
@@ -438,22 +442,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             )
             _run_workload(engine, items, prom)
             installation.close()
-            sink = installation.sink
-            runs = {MAIN_RUN: RunRecord(MAIN_RUN, MAIN_ENGINE, sink.sent_rows, sink.lost_events, engine.summary())}
+            out = installation.outlet
+            runs = {MAIN_RUN: RunRecord(MAIN_RUN, MAIN_ENGINE, out.delivered_events, out.lost_events,
+                                        engine.summary())}
 
-            # A second engine whose sink buffer holds 64 events: it must drop, count and report the loss.
+            # A second engine whose buffers hold 64 events (a 3 KiB ring): it must drop, count and report loss.
             mp.setenv("KVFABRIC_RUN_ID", DROPS_RUN)
             mp.setenv("KVFABRIC_ENGINE_ID", DROPS_ENGINE)
             mp.setenv("KVFABRIC_BUFFER_EVENTS", "64")
             engine2 = SimulatedEngine.create(NUM_BLOCKS)
             installation2 = getattr(engine2.scheduler, "_kvfabric", None)
-            assert installation2 is not None and installation2.tracker.buffer.capacity == 64
+            assert installation2 is not None and installation2.outlet.buffer_events == 64
             _run_workload(engine2, demo_workload(8, duration_s=4.0, template_requests=16, num_conversations=2,
                                                  unique_requests=4, family_prefix_blocks=(4, 8),
                                                  unique_prompt_tokens=(200, 400)), None)
             installation2.close()
-            sink2 = installation2.sink
-            runs[DROPS_RUN] = RunRecord(DROPS_RUN, DROPS_ENGINE, sink2.sent_rows, sink2.lost_events,
+            out2 = installation2.outlet
+            runs[DROPS_RUN] = RunRecord(DROPS_RUN, DROPS_ENGINE, out2.delivered_events, out2.lost_events,
                                         engine2.summary())
 
             def ingested() -> bool:

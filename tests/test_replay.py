@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
+import duckdb
+import httpx
 import pytest
+from collector_testkit import collector_files, wait_until
 
 from kvfabric.cli import main
 from kvfabric.policies import POLICY_NAMES
@@ -75,32 +75,43 @@ def test_optimum_beats_lru_inside_vllm(capsys: pytest.CaptureFixture[str], trace
     assert opt["prefix_hit_tokens"] > lru["prefix_hit_tokens"]
 
 
-def test_events_stream_to_a_collector_socket(capsys: pytest.CaptureFixture[str], trace: Path,
-                                             tmp_path: Path) -> None:
-    path = str(tmp_path / "c.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    received: list[int] = []
-    meta: dict[bytes, bytes] = {}
+@pytest.mark.parametrize("policy", ["optimal", "adaptive_aging"])
+def test_events_stream_to_a_collector_labelled_with_the_policy_that_ran(
+        capsys: pytest.CaptureFixture[str], trace: Path, policy: str) -> None:
+    """Through a real collector process: every event arrives, labelled with the policy that actually ran (the
+    optimum's events were once stored as ``lru``)."""
+    with collector_files() as files:
+        proc = files.process()
+        proc.start()
+        try:
+            out = replay(capsys, "--trace", str(trace), "--policy", policy, "--num-blocks", "400",
+                         "--collector", files.socket_path, "--limit", "12", "--run-id", f"r-{policy}")
+            assert out["events_dropped"] == 0
 
-    def serve() -> None:
-        conn, _ = server.accept()
-        with conn, conn.makefile("rb") as f:
-            reader = pa.ipc.open_stream(f)
-            meta.update(reader.schema.metadata or {})
-            for batch in reader:
-                received.append(batch.num_rows)
+            def stored() -> Any:
+                runs = {r["run_id"]: r for r in httpx.get(f"{files.http_url}/api/v1/runs").json()}
+                run = runs.get(f"r-{policy}")
+                return run if run and run["events"] >= out["events_emitted"] else None
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    out = replay(capsys, "--trace", str(trace), "--policy", "adaptive_aging", "--num-blocks", "400",
-                 "--collector", path, "--limit", "12")
-    thread.join(10)
-    server.close()
-    assert out["events_dropped"] == 0
-    assert sum(received) == out["events_emitted"]
-    assert meta[b"kvfabric.policy"] == b"adaptive_aging"
+            run = wait_until(stored, timeout=30, what="the replay's events stored")
+        finally:
+            proc.stop()
+        assert run["events"] == out["events_emitted"]
+        con = duckdb.connect(files.db_path, read_only=True)
+        policies = con.execute("SELECT DISTINCT policy FROM events WHERE run_id = ?", [f"r-{policy}"]).fetchall()
+        con.close()
+        assert policies == [(policy,)]
+
+
+def test_real_and_fast_modes_agree_on_families(capsys: pytest.CaptureFixture[str], trace: Path) -> None:
+    """Both modes name a trace request's family by its first block (no request-id convention), so the admission
+    gate, which keys on families, limits the same blocks in both."""
+    args = ["--trace", str(trace), "--policy", "lru", "--num-blocks", "400", "--admission-anchor-blocks", "2"]
+    real = replay(capsys, *args)
+    fast = replay(capsys, *args, "--fast")
+    # 4 families: each family's first request is gated (its blocks past the anchor are not cached), once.
+    assert real["admission_limited_blocks"] == fast["admission_limited_blocks"] > 0
+    assert real["prefix_hit_tokens"] == fast["prefix_hit_tokens"]
 
 
 def test_fast_mode_refuses_real_only_flags(trace: Path) -> None:

@@ -23,7 +23,7 @@ from vllm.v1.request import Request
 
 from kvfabric import schema as S
 from kvfabric.config import load_hook_settings
-from kvfabric.hook.install import Installation, attach
+from kvfabric.hook.install import Installation, build_hook
 from kvfabric.hook.steering import Steering, attach_steering
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.policies.base import EvictionPolicy
@@ -50,12 +50,10 @@ def make_manager(num_blocks: int, policy: str, anchor: int | None = 0) -> tuple[
     if anchor is not None:
         env["KVFABRIC_ADMISSION_ANCHOR_BLOCKS"] = str(anchor)
     hook_settings = load_hook_settings(env)
-    inst = attach(manager, hook_settings, block_size=BLOCK, engine="test", start_sink=False)
+    inst = build_hook(manager, hook_settings, block_size=BLOCK, engine="test", outlet="local")
     assert inst is not None
-    steering = None
-    if hook_settings.steers:
-        steering = attach_steering(None, manager.block_pool, inst.tracker, hook_settings, manager=manager)
-    return manager, inst, steering
+    assert (inst.steering is not None) == hook_settings.steers
+    return manager, inst, inst.steering
 
 
 def make_request(rid: str, tokens: list[int], extra: dict[str, Any] | None = None) -> Request:
@@ -85,20 +83,22 @@ def free_list(pool: Any) -> list[Any]:
 
 
 class Checker:
-    """Wraps the pool's allocation and the tracker's eviction observer with invariant checks."""
+    """Wraps the pool's allocation with invariant checks, and the descendants-first rule at every eviction."""
 
     def __init__(self, manager: KVCacheManager, inst: Installation, steering: Steering | None, reorders: bool) -> None:
         self.pool = manager.block_pool
-        self.tracker = inst.tracker
+        self.inst = inst
         self.steering = steering
         self.reorders = reorders
         self.evictions = 0
-        self.violations: list[str] = []  # recorded, not raised: the tracker's guard would swallow an exception
+        self.violations: list[str] = []
         pool = self.pool
         original_get = type(pool).get_new_blocks
 
         def get_new_blocks(n: int) -> list[Any]:
             free_before = pool.get_num_free_blocks()
+            keeper = steering.keeper if steering is not None else None
+            cached = {b.block_id: b.block_hash for b in free_list(pool) if b.block_hash is not None}
             blocks = original_get(pool, n)  # never fails while n blocks are free (vLLM raises otherwise)
             assert len(blocks) == n <= free_before
             for blk in blocks:
@@ -106,28 +106,18 @@ class Checker:
                 assert blk.block_hash is None, "a reused block kept its hash"
                 assert blk.ref_cnt == 1
                 assert blk.prev_free_block is None and blk.next_free_block is None
+            evicted = [blk.block_id for blk in blocks if blk.block_id in cached]
+            self.evictions += len(evicted)
+            if self.reorders and keeper is not None and evicted:
+                # A free cached child of an evicted block must have gone before it (or with it, in this call).
+                t = keeper.table
+                for y in free_list(pool):
+                    if y.block_hash is not None and t.parent_block[y.block_id] in evicted:
+                        self.violations.append(f"evicted block {t.parent_block[y.block_id]} before its free "
+                                               f"cached child {y.block_id}")
             return blocks
 
         pool.get_new_blocks = get_new_blocks  # type: ignore[method-assign]
-        tracker = self.tracker
-        original_allocated = tracker.on_allocated
-
-        def on_allocated(blocks: Any) -> None:
-            # The tracker sees evictions here: an allocated block whose side-table digest is still set was cached
-            # (vLLM has cleared its own hash already). Its free cached children must all have gone before it.
-            t = tracker.table
-            for blk in blocks:
-                x, hx = blk.block_id, t.hash[blk.block_id]
-                if hx is None:
-                    continue
-                self.evictions += 1
-                if self.reorders:
-                    for y in free_list(pool):
-                        if y.block_hash is not None and t.parent_block[y.block_id] == x and t.parent[y.block_id] == hx:
-                            self.violations.append(f"evicted block {x} before its free cached child {y.block_id}")
-            original_allocated(blocks)
-
-        tracker.on_allocated = on_allocated  # type: ignore[method-assign]
 
     def check(self) -> None:
         assert not self.violations, self.violations[0]
@@ -148,7 +138,7 @@ class Checker:
             cached_free = {b.block_id for b in free if b.block_hash is not None}
             assert cached_free <= held, "a cached free block is not a candidate"
             assert len(index) == len(held)
-        assert self.tracker.errors == 0
+        assert self.inst.recorder.errors == 0 and self.inst.recorder.on
 
 
 # Requests: one of three families (a chain of up to 4 shared blocks), a private tail, sometimes a session hint.
@@ -229,7 +219,7 @@ def test_lru_attaches_nothing_and_changes_nothing() -> None:
     manager, inst, steering = make_manager(12, "lru", anchor=None)
     assert steering is None
     assert type(manager.block_pool.free_block_queue) is FreeKVCacheBlockQueue
-    assert inst.tracker.admission_gate is None and inst.tracker.policy is None
+    assert inst.recorder.gate is None and inst.recorder.keeper is None
     plain, _, _ = make_manager(12, "lru", anchor=None)
     init_none_hash(sha256)
     plain = KVCacheManager(
@@ -262,9 +252,10 @@ def test_family_protect_passes_over_protected_blocks() -> None:
     d = make_request("d", [8] * 64 + [5])  # needs five: evicts c's cached blocks, not a's protected ones
     admit(manager, d)
     pool = manager.block_pool
-    a_blocks = [blk for blk in pool.blocks if blk.block_hash is not None and inst.tracker.table.hits[blk.block_id] > 0]
+    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.drain()]
+    hits = inst.outlet.lifecycle.table.hits  # type: ignore[attr-defined]
+    a_blocks = [blk for blk in pool.blocks if blk.block_hash is not None and hits[blk.block_id] > 0]
     assert len(a_blocks) == 2, "the protected trunk survived"
-    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.tracker.buffer.drain()]
     evicted = [e for e in ev if e["event"] == S.BLOCK_EVICTED]
     assert evicted and all(not e["protected"] for e in evicted)
 
@@ -275,7 +266,7 @@ def test_ranked_policy_reports_scores_bounded() -> None:
         r = make_request(f"q{i}", [i + 1] * 48 + [0])
         admit(manager, r)
         manager.free(r)
-    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.tracker.buffer.drain()]
+    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.drain()]
     ranked = [e for e in ev if e["event"] == S.EVICTION_CANDIDATES_RANKED]
     evicted = [e for e in ev if e["event"] == S.BLOCK_EVICTED]
     assert evicted and ranked
@@ -299,20 +290,21 @@ def test_admission_gate_limits_unknown_families() -> None:
     hinted = make_request("hinted", [4] * 80 + [1], {"kvfabric_session": "s"})  # a hint makes it known
     admit(manager, hinted)
     assert sum(1 for b in manager.block_pool.blocks if b.block_hash is not None) == 10
-    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.tracker.buffer.drain()]
+    ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.drain()]
     limited = [e for e in ev if e["event"] == S.CACHE_ADMISSION_LIMITED]
     assert [(e["request_id"], e["count"]) for e in limited] == [("first", 3)]
 
 
 def test_steering_survives_a_broken_side_table() -> None:
     manager, inst, steering = make_manager(11, "adaptive_aging", anchor=0)
-    inst.tracker.table = None  # type: ignore[assignment]
+    assert steering is not None and steering.keeper is not None
+    steering.keeper.table = None  # type: ignore[assignment]
     for i in range(5):
         req = make_request(f"x{i}", [i + 1] * 40)
         assert admit(manager, req) is not None
         manager.free(req)
     assert manager.block_pool.free_block_queue.num_free_blocks == 10
-    assert steering is not None and steering.errors >= 1
+    assert steering.errors >= 1 and inst.recorder.errors == 1 and not inst.recorder.on
 
 
 class RootFirst(EvictionPolicy):
@@ -321,7 +313,7 @@ class RootFirst(EvictionPolicy):
     name = "root_first"
     structure = "heap"
 
-    def key(self, t: Any, b: int, now: int) -> float:
+    def key(self, t: Any, b: int, now: int, ctx: Any) -> float:
         return float(t.depth[b] or 0)
 
 
@@ -330,8 +322,7 @@ class RootFirst(EvictionPolicy):
 def test_descendants_before_ancestors_even_with_adversarial_keys(ops: list[tuple], num_blocks: int) -> None:
     manager, inst, _ = make_manager(num_blocks, "lru", anchor=None)
     hook_settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"})
-    steering = attach_steering(None, manager.block_pool, inst.tracker, hook_settings, policy=RootFirst(),
-                               manager=manager)
+    steering = attach_steering(None, manager, inst, hook_settings, RootFirst())
     checker = Checker(manager, inst, steering, reorders=True)
     pool = manager.block_pool
     running: list[Request] = []
@@ -411,3 +402,41 @@ def test_session_hints_steer_adaptive_aging() -> None:
     manager.free(preempted)  # still WAITING: a preemption, not the end of the session
     assert all(steering.index.keys[b.block_id] > 0 for b in pool.blocks
                if b.block_hash is not None and steering.index.held[b.block_id])
+
+
+def test_one_side_table_in_process_and_in_the_expander() -> None:
+    """Steering's in-process statistics and the expander's are the same side table kept by the same code: after
+    a pressured run every field a policy can read agrees (``last_use`` aside: a different clock by design)."""
+    manager, inst, steering = make_manager(14, "adaptive_aging", anchor=0)
+    assert steering is not None and steering.keeper is not None
+    for i in range(30):
+        req = make_request(f"q{i}", [1 + i % 3] * 32 + [50 + i] * 40, {"kvfabric_family": f"f{i % 3}"})
+        assert admit(manager, req) is not None
+        manager.free(req)
+    inst.drain()
+    mine, theirs = steering.keeper.table, inst.outlet.lifecycle.table  # type: ignore[attr-defined]
+    assert steering.victims > 0
+    for field in ("hash", "parent", "parent_block", "depth", "family", "hits", "share", "users", "branch"):
+        assert getattr(mine, field) == getattr(theirs, field), field
+    assert mine.family[1:].count(None) < len(mine.family) - 1  # families are kept in-process too
+
+
+def test_policy_statistics_without_recording_keep_family_and_last_use() -> None:
+    """With lifecycle recording off a policy still reads every field (the old lean copy dropped two)."""
+    init_none_hash(sha256)
+    manager = KVCacheManager(
+        KVCacheConfig(num_blocks=12, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                                                          dtype=torch.float32))]),
+        max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True, hash_block_size=BLOCK)
+    inst = build_hook(manager, load_hook_settings({"KVFABRIC_EVICTION_POLICY": "shared_aware"}), block_size=BLOCK)
+    assert inst is not None and inst.recorder.log is None and inst.steering is not None
+    req = make_request("a", [4] * 40, {"kvfabric_family": "fam"})
+    admit(manager, req)
+    manager.free(req)
+    other = make_request("b", [5] * 100)  # forces allocations: the logical clock moves
+    admit(manager, other)
+    t = inst.steering.keeper.table  # type: ignore[union-attr]
+    sealed = [b for b in range(12) if t.hash[b] is not None and t.family[b] == "fam"]
+    assert len(sealed) == 2
+    assert all(0 <= t.last_use[b] < inst.steering.index.now for b in sealed)  # type: ignore[union-attr]

@@ -1,16 +1,23 @@
-"""Per-instance hooks on one Scheduler's KVCacheManager and BlockPool.
+"""Per-instance hooks on one Scheduler's KVCacheManager and BlockPool, and :func:`build_hook`, the one way to build
+them (the plugin, the replay, the demo, the benchmarks and the tests all call it).
 
-How (docs/design.md §3): the pool's class is swapped for a subclass made on the fly (``block_pool.__class__ = ...``), so
-every object already holding the pool keeps the same object, other pools (CPU offload, connectors) are untouched,
-and vLLM's own method bodies run unchanged via ``super()``. The KVCacheManager and the Scheduler get instance
-attributes that wrap the bound methods the scheduler calls, only to give pool calls their request context.
+How (docs/design.md §3): the pool's class is swapped for a subclass made on the fly (``block_pool.__class__ =
+...``), so every object already holding the pool keeps the same object, other pools (CPU offload, connectors) are
+untouched, and vLLM's own method bodies run unchanged via ``super()``. The KVCacheManager and the Scheduler get
+instance attributes that wrap the bound methods the scheduler calls, only to give pool calls their request context.
+
+What runs on vLLM's scheduler thread is a :class:`Recorder`: one compact record per vLLM call
+(:mod:`kvfabric.hook.records`), appended to a list, handed to an outlet once per scheduler step (a shared-memory
+ring read by the forwarder process, which expands records into events off vLLM's GIL). When a policy needs block
+statistics in-process, the steering keeper applies the same records to its side table at once.
 
 Invariants:
   * vLLM's original method always runs, with the same arguments, and its result or exception is returned or
-    raised unchanged; the observer runs after it (or, for evictions, just before the hash is cleared) through
-    :meth:`LifecycleTracker.guard`, which never raises;
+    raised unchanged; KVFabric's part runs in a ``try`` whose failure is counted, logged once, and turns the
+    recorder off (vLLM carries on as if the hook were not there);
   * ``free_blocks`` materialises its iterable once (callers pass ``reversed(...)``) and hands vLLM the list;
-  * in ``lru`` mode nothing here changes which block vLLM picks or how ref counts move.
+  * in ``lru`` mode nothing here changes which block vLLM picks or how ref counts move;
+  * no I/O and no lock on these paths: records go to a list; the outlet copies bytes into shared memory.
 """
 
 from __future__ import annotations
@@ -20,14 +27,15 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvfabric import schema as S
 from kvfabric.config import HookSettings
-from kvfabric.hook.buffer import EventBuffer
-from kvfabric.hook.sinks import Sink, make_sink
-from kvfabric.hook.tracker import LifecycleTracker
+from kvfabric.hook import records as R
+from kvfabric.hook.hints import request_family
+from kvfabric.hook.outlets import Outlet, make_outlet
 
 log = logging.getLogger("kvfabric.hook")
 
@@ -41,40 +49,137 @@ def _flatten_blocks(blocks: Any) -> Sequence[Any]:
     return blocks
 
 
+class Recorder:
+    """The hook's state on the scheduler thread: the record list, the step, the request in context.
+
+    ``on`` is False once anything in KVFabric failed (or when nothing asked for records): the wrappers then do
+    nothing but call vLLM. ``keeper`` is steering's statistics keeper (a policy reads block statistics), applied to
+    each record as it is made; ``log`` is None when events are not recorded (a policy alone).
+    """
+
+    __slots__ = ("block_size", "clock", "errors", "families", "family_depth", "family_from_rid", "gate", "keeper",
+                 "log", "on", "request", "rid", "step")
+
+    def __init__(self, settings: HookSettings, recording: bool, block_size: int,
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        self.on = True
+        self.block_size = block_size
+        self.clock = clock
+        self.log: list[tuple] | None = [] if recording else None
+        self.keeper: Any = None
+        self.gate: Any = None
+        self.step = 0
+        self.request: Any = None
+        self.rid: str | None = None
+        self.errors = 0
+        self.family_depth = settings.family_depth
+        self.family_from_rid = settings.family_from_request_id
+        self.families: dict[str, str | None] = {}
+
+    def failed(self, where: str) -> None:
+        """KVFabric broke somewhere on vLLM's path: count, log once, stop recording; vLLM is not affected."""
+        self.errors += 1
+        self.on = False
+        if self.errors == 1:
+            log.exception("kvfabric: %s failed; KVFabric is now off for this engine (vLLM is unaffected)", where)
+
+    def add(self, record: tuple) -> None:
+        keeper = self.keeper
+        if keeper is not None:
+            keeper.apply_one(record)
+        if self.log is not None:
+            self.log.append(record)
+
+    def family_of(self, request: Any) -> str | None:
+        """The request's family (docs/design.md §5), computed once per request (one dict lookup after)."""
+        rid = request.request_id
+        fam = self.families.get(rid, "")
+        if fam == "":
+            hashes = request.block_hashes
+            fam = request_family(request, hashes, self.family_depth, self.family_from_rid)
+            if fam is not None or hashes:
+                self.families[rid] = fam
+        return fam
+
+    def limited(self, request: Any, blocks: int) -> None:
+        """The admission gate kept ``blocks`` of ``request``'s blocks out of the cache."""
+        self.add((R.LIMITED, self.clock(), self.step, request.request_id, self.family_of(request), blocks))
+
+    def take(self) -> list[tuple]:
+        """The records made since the last call (the caller owns them)."""
+        out = self.log
+        if not out:
+            return []
+        self.log = []
+        return out
+
+
 def tracked_pool_class(base: type) -> type:
-    """A subclass of ``base`` (vLLM's BlockPool or a subclass of it) that reports to ``self._kvfabric``."""
+    """A subclass of ``base`` (vLLM's BlockPool or a subclass of it) that records its calls in ``self._kvfabric``."""
     cls = _TRACKED_CLASSES.get(base)
     if cls is not None:
         return cls
 
     class TrackedBlockPool(base):  # type: ignore[misc, valid-type]
-        _kvfabric: LifecycleTracker
+        _kvfabric: Recorder
+        _kvfabric_own_blocks: bool  # blocks carry a .pool field (0.33+): a free may hand over others' blocks
 
         def get_new_blocks(self, num_blocks: int, *args: Any, **kwargs: Any) -> list[Any]:
             blocks = super().get_new_blocks(num_blocks, *args, **kwargs)
-            t = self._kvfabric
-            t.guard(t.on_allocated, blocks)
+            r = self._kvfabric
+            if r.on:
+                try:
+                    r.add((R.ALLOCATED, r.clock(), r.step, r.rid, [b.block_id for b in blocks]))
+                except Exception:
+                    r.failed("recording an allocation")
             return blocks
 
         def evict_blocks(self, block_ids: Any, *args: Any, **kwargs: Any) -> None:
-            # Evictions by get_new_blocks are seen in on_allocated (the side table knows each block's digest);
-            # this is the other door, used by KV connectors.
-            t = self._kvfabric
-            for block_id in block_ids:
-                if 0 <= block_id < len(self.blocks):
-                    t.guard(t.on_evicting, self.blocks[block_id])
+            # Evictions by get_new_blocks are seen in the ALLOCATED record (the side table knows each block's
+            # digest); this is the other door, used by KV connectors. Recorded before vLLM clears the hashes.
+            r = self._kvfabric
+            if r.on:
+                try:
+                    n = len(self.blocks)
+                    ids = [b for b in block_ids if 0 <= b < n]
+                    r.add((R.EVICTING, r.clock(), r.step, r.rid, ids, [self.blocks[b].block_hash for b in ids]))
+                except Exception:
+                    r.failed("recording an eviction")
             super().evict_blocks(block_ids, *args, **kwargs)
 
         def touch(self, blocks: Any, *args: Any, **kwargs: Any) -> None:
             super().touch(blocks, *args, **kwargs)
-            t = self._kvfabric
-            t.guard(t.on_touched, _flatten_blocks(blocks))
+            r = self._kvfabric
+            if r.on:
+                try:
+                    flat = _flatten_blocks(blocks)
+                    r.add((R.TOUCHED, r.clock(), r.step, r.rid, [b.block_id for b in flat], [b.ref_cnt for b in flat]))
+                except Exception:
+                    r.failed("recording a touch")
 
         def free_blocks(self, ordered_blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
             blocks = list(ordered_blocks)
             super().free_blocks(blocks, *args, **kwargs)
-            t = self._kvfabric
-            t.guard(t.on_freed, blocks, self)
+            r = self._kvfabric
+            if r.on:
+                try:
+                    if self._kvfabric_own_blocks:
+                        # Blocks of another pool were handed over to it: that pool's hook records them.
+                        blocks = [b for b in blocks if b.pool is self]
+                    r.add((R.FREED, r.clock(), r.step, r.rid, [b.block_id for b in blocks],
+                           [b.ref_cnt for b in blocks]))
+                except Exception:
+                    r.failed("recording a free")
+
+        def unpin_blocks(self, blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+            blocks = list(blocks)
+            super().unpin_blocks(blocks, *args, **kwargs)
+            r = self._kvfabric
+            if r.on:
+                try:
+                    r.add((R.FREED, r.clock(), r.step, None, [b.block_id for b in blocks], [b.ref_cnt for b in blocks]))
+                except Exception:
+                    r.failed("recording an unpin")
 
         def cache_full_blocks(
             self,
@@ -87,26 +192,55 @@ def tracked_pool_class(base: type) -> type:
             *args: Any,
             **kwargs: Any,
         ) -> None:
-            t = self._kvfabric
-            gate = t.admission_gate
-            if gate is not None and num_cached_blocks < num_full_blocks:
+            r = self._kvfabric
+            gate = r.gate
+            if gate is not None and r.on and num_cached_blocks < num_full_blocks:
                 # The admission gate narrows vLLM's own mask (docs/design.md §3: a masked block is never cached).
+                # Its mask() never raises: on any internal error vLLM's own mask stands.
                 mask = kwargs.pop("block_mask", args[0] if args else None)
                 args = ()
-                kwargs["block_mask"] = gate.mask(t, request, blocks, num_cached_blocks, num_full_blocks, mask)
+                kwargs["block_mask"] = gate.mask(r, request, num_cached_blocks, num_full_blocks, mask)
             super().cache_full_blocks(
                 request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, *args, **kwargs
             )
-            if num_cached_blocks >= num_full_blocks:
+            if num_cached_blocks >= num_full_blocks or not r.on:
                 return
-            mask = kwargs.get("block_mask", args[0] if args else None)
-            hash_block_size = getattr(self, "hash_block_size", block_size)
-            t.guard(t.on_sealed, request, blocks, num_cached_blocks, num_full_blocks, mask, hash_block_size, block_size)
+            try:
+                start, end = num_cached_blocks, num_full_blocks
+                parent_raw = None
+                prev = None
+                if start > 0:
+                    p = blocks[start - 1]
+                    prev = p.block_id
+                    if getattr(self, "hash_block_size", block_size) == block_size:
+                        hashes = request.block_hashes
+                        if start - 1 < len(hashes):
+                            parent_raw = hashes[start - 1]
+                sealed = blocks[start:end]
+                r.add((R.SEALED, r.clock(), r.step, request.request_id, r.family_of(request), start, prev,
+                       [b.block_id for b in sealed], [b.block_hash for b in sealed], parent_raw))
+            except Exception:
+                r.failed("recording a seal")
+
+        def move_block_hashes(self, src_block: Any, dst_block: Any, *args: Any, **kwargs: Any) -> None:
+            # The prefix cache keeps a private copy: src's identity moves to dst. Seen as an eviction of src's
+            # content and a seal of it in dst would be wrong (no prefill is recomputed), so the move is recorded.
+            super().move_block_hashes(src_block, dst_block, *args, **kwargs)
+            r = self._kvfabric
+            if r.on:
+                try:
+                    r.add((R.MOVED, r.clock(), r.step, r.rid, src_block.block_id, dst_block.block_id))
+                except Exception:
+                    r.failed("recording a hash move")
 
         def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
             ok = super().reset_prefix_cache(*args, **kwargs)
-            t = self._kvfabric
-            t.guard(t.on_reset, ok)
+            r = self._kvfabric
+            if ok and r.on:
+                try:
+                    r.add((R.RESET, r.clock(), r.step))
+                except Exception:
+                    r.failed("recording a reset")
             return ok
 
     TrackedBlockPool.__name__ = f"KVFabric{base.__name__}"
@@ -115,55 +249,86 @@ def tracked_pool_class(base: type) -> type:
     return TrackedBlockPool
 
 
-def _wrap_manager(manager: Any, tracker: LifecycleTracker) -> None:
+def _wrap_manager(manager: Any, r: Recorder) -> None:
     """Instance wrappers giving pool calls their request, and recording admissions (``prefix_lookup``)."""
     allocate_slots = manager.allocate_slots
     free = manager.free
 
     @functools.wraps(allocate_slots)
     def kvfabric_allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        fresh = request.num_computed_tokens == 0
-        regret: list[Any] = []
-        if fresh and tracker.enabled and tracker.evicted:
-            hit = kwargs.get("num_new_computed_tokens", args[0] if args else 0)
-            try:
-                regret = tracker.regret_candidates(request, hit)
-            except Exception:
-                regret = []
-        prev = tracker.current_request
-        tracker.current_request = request
+        if not r.on:
+            return allocate_slots(request, num_new_tokens, *args, **kwargs)
+        fresh = False
+        try:
+            if request.num_computed_tokens == 0:
+                fresh = True
+                hit = kwargs.get("num_new_computed_tokens", args[0] if args else 0) or 0
+                hashes = request.block_hashes
+                # The hashes the lookup wanted past its hit (a C-level slice): the expander finds regretful
+                # evictions among them before this allocation seals, and so rebuilds, them.
+                r.add((R.LOOKUP, r.clock(), r.step, request.request_id, r.family_of(request),
+                       request.num_prompt_tokens, len(hashes), hit, hashes[hit // r.block_size:]))
+        except Exception:
+            r.failed("recording a lookup")
+        prev_request, prev_rid = r.request, r.rid
+        r.request, r.rid = request, request.request_id
         try:
             result = allocate_slots(request, num_new_tokens, *args, **kwargs)
         finally:
-            tracker.current_request = prev
-        if result is not None and fresh:
-            hit = kwargs.get("num_new_computed_tokens", args[0] if args else 0)
-            tracker.guard(tracker.on_admitted, request, hit, regret)
+            r.request, r.rid = prev_request, prev_rid
+        if fresh and r.on:
+            try:
+                if result is not None:
+                    r.add((R.ADMITTED, r.clock(), r.step, request.request_id))
+                else:
+                    r.add((R.CANCELLED, request.request_id))
+            except Exception:
+                r.failed("recording an admission")
         return result
 
     @functools.wraps(free)
     def kvfabric_free(request: Any, *args: Any, **kwargs: Any) -> Any:
-        prev = tracker.current_request
-        tracker.current_request = request
+        prev_request, prev_rid = r.request, r.rid
+        r.request, r.rid = request, request.request_id
         try:
             return free(request, *args, **kwargs)
         finally:
-            tracker.current_request = prev
-            tracker.guard(tracker.on_request_done, request.request_id)
+            r.request, r.rid = prev_request, prev_rid
+            if r.on:
+                try:
+                    r.add((R.DONE, request.request_id))
+                    r.families.pop(request.request_id, None)
+                except Exception:
+                    r.failed("recording a request's end")
 
     manager.allocate_slots = kvfabric_allocate_slots
     manager.free = kvfabric_free
 
 
-def _wrap_step(scheduler: Any, tracker: LifecycleTracker) -> None:
+def _wrap_step(scheduler: Any, installation: Installation) -> None:
+    """Count steps, and hand the step's records to the outlet once per step (after ``update_from_output``, and
+    before ``schedule`` for records made between steps: aborts, resets)."""
     schedule = scheduler.schedule
+    update_from_output = scheduler.update_from_output
+    r = installation.recorder
 
     @functools.wraps(schedule)
     def kvfabric_schedule(*args: Any, **kwargs: Any) -> Any:
-        tracker.step += 1
+        r.step += 1
+        if r.log:
+            installation.flush()
         return schedule(*args, **kwargs)
 
+    @functools.wraps(update_from_output)
+    def kvfabric_update_from_output(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return update_from_output(*args, **kwargs)
+        finally:
+            if r.log:
+                installation.flush()
+
     scheduler.schedule = kvfabric_schedule
+    scheduler.update_from_output = kvfabric_update_from_output
 
 
 def engine_id(scheduler: Any) -> str:
@@ -184,83 +349,121 @@ def _vllm_version() -> str:
         return "unknown"
 
 
-class Installation:
-    """What the hook attached to one scheduler: its tracker and sink."""
+def stream_metadata(
+    settings: HookSettings, *, engine: str, policy: str, block_size: int, num_blocks: int, null_block: int = 0
+) -> dict[str, str]:
+    """The metadata every event stream starts with (docs/design.md §4); the one place it is written."""
+    return {
+        S.META_SCHEMA_VERSION: str(S.SCHEMA_VERSION),
+        S.META_ENGINE: engine,
+        S.META_RUN_ID: settings.run_id,
+        S.META_VLLM_VERSION: _vllm_version(),
+        S.META_BLOCK_SIZE: str(block_size),
+        S.META_NUM_BLOCKS: str(num_blocks),
+        S.META_POLICY: policy,
+        S.META_SETTINGS: json.dumps({**settings.as_metadata(), "policy": policy, "null_block": null_block,
+                                     "evicted_memory": settings.evicted_memory}),
+    }
 
-    def __init__(self, tracker: LifecycleTracker, sink: Sink | None) -> None:
-        self.tracker = tracker
-        self.sink = sink
+
+class Installation:
+    """What the hook attached to one pool: the recorder, the outlet its records go to, the steering (if any)."""
+
+    def __init__(self, recorder: Recorder, outlet: Outlet, metadata: dict[str, str], num_blocks: int,
+                 block_size: int, steering: Any = None) -> None:
+        self.recorder = recorder
+        self.outlet = outlet
+        self.metadata = metadata
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.steering = steering
+        self.flush_errors = 0
+
+    @property
+    def policy(self) -> str:
+        return self.metadata[S.META_POLICY]
+
+    def flush(self) -> None:
+        """Hand the records made so far to the outlet (never raises)."""
+        r = self.recorder
+        try:
+            records = r.take()
+            if records:
+                self.outlet.put(records)
+        except Exception:
+            self.flush_errors += 1
+            r.failed("handing records to the outlet")
+
+    def drain(self) -> list[tuple]:
+        """Event rows expanded so far (in-process outlets only; see :class:`~kvfabric.hook.outlets.LocalOutlet`)."""
+        self.flush()
+        return self.outlet.drain()
 
     def close(self) -> None:
-        """Flush and stop the sink (bounded time)."""
-        if self.sink is not None:
-            self.sink.close()
+        """Flush and stop the outlet (bounded time)."""
+        self.flush()
+        self.outlet.close()
 
 
-def attach(
+def build_hook(
     manager: Any,
     settings: HookSettings,
     *,
+    scheduler: Any = None,
     block_size: int | None = None,
     engine: str = "local",
-    start_sink: bool = True,
+    policy: Any = None,
+    outlet: str | Outlet | None = None,
+    clock: Callable[[], int] | None = None,
+    info_of: Callable[[Any], Any] | None = None,
 ) -> Installation | None:
-    """Attach the hook to one KVCacheManager and its BlockPool. Returns None (vLLM untouched) when it cannot.
+    """Attach KVFabric to one KVCacheManager (and its scheduler, when given). Returns None (vLLM untouched) when
+    there is no prefix-caching pool.
 
-    ``start_sink=False`` records into the tracker's buffer only (tests and in-process replay drain it).
+    ``policy`` overrides ``settings.policy`` with a policy object (the replay's optimum; its ``name`` labels the
+    stream). ``outlet``: ``"local"`` expands records in-process (drain them with :meth:`Installation.drain`),
+    an :class:`Outlet` is used as given, None follows ``settings.sink``. ``clock`` replaces ``time.time_ns`` for
+    the events' timestamps (the replay's simulated clock). ``info_of`` reads a request's
+    :class:`~kvfabric.policies.base.RequestInfo` for policies (default: its hints; the replay adds its position).
     """
     pool = getattr(manager, "block_pool", None)
     if pool is None or not getattr(pool, "enable_caching", True):
         log.info("kvfabric: no prefix-caching block pool; nothing installed")
         return None
-    block_size = int(block_size or getattr(pool, "hash_block_size", 16))
+    block_size = int(block_size or getattr(scheduler, "block_size", 0) or getattr(pool, "hash_block_size", 16))
     num_blocks = int(pool.num_gpu_blocks)
-    buffer = EventBuffer(settings.buffer_events, settings.batch_events)
-    tracker = LifecycleTracker(settings, num_blocks, block_size, engine, buffer)
-    sink: Sink | None = None
-    if settings.lifecycle and start_sink:
-        metadata = {
-            S.META_SCHEMA_VERSION: str(S.SCHEMA_VERSION),
-            S.META_ENGINE: engine,
-            S.META_RUN_ID: settings.run_id,
-            S.META_VLLM_VERSION: _vllm_version(),
-            S.META_BLOCK_SIZE: str(block_size),
-            S.META_NUM_BLOCKS: str(num_blocks),
-            S.META_POLICY: settings.policy,
-            S.META_SETTINGS: json.dumps(settings.as_metadata()),
-        }
-        sink = make_sink(
-            settings.sink, buffer, metadata, tracker.dropped_row, settings.batch_events, settings.flush_ms
-        )
-        sink.start()
+    null_block = int(getattr(getattr(pool, "null_block", None), "block_id", 0) or 0)
+    policy_name = getattr(policy, "name", None) or settings.policy
+    metadata = stream_metadata(settings, engine=engine, policy=policy_name, block_size=block_size,
+                               num_blocks=num_blocks, null_block=null_block)
+    recorder = Recorder(settings, recording=settings.lifecycle, block_size=block_size, clock=clock or time.time_ns)
+    out = make_outlet(outlet, settings, metadata)
+    installation = Installation(recorder, out, metadata, num_blocks, block_size)
     pool.__class__ = tracked_pool_class(type(pool))
-    pool._kvfabric = tracker
-    _wrap_manager(manager, tracker)
-    installation = Installation(tracker, sink)
-    manager._kvfabric = installation
-    return installation
-
-
-def install(scheduler: Any, settings: HookSettings) -> Installation | None:
-    """Attach the hook to a freshly built scheduler (its KVCacheManager, BlockPool and step counter)."""
-    manager = getattr(scheduler, "kv_cache_manager", None)
-    if manager is None:
-        return None
-    engine = engine_id(scheduler)
-    installation = attach(manager, settings, block_size=getattr(scheduler, "block_size", None), engine=engine)
-    if installation is None:
-        return None
-    tracker = installation.tracker
-    _wrap_step(scheduler, tracker)
-    if settings.steers:
+    pool._kvfabric = recorder
+    pool._kvfabric_own_blocks = bool(pool.blocks) and hasattr(pool.blocks[0], "pool")
+    _wrap_manager(manager, recorder)
+    if settings.steers or policy is not None:
         # Policies, the admission gate and cache-aware scheduling change vLLM's decisions; plain lifecycle
         # recording (lru, no gate) never reaches this line, so it cannot change them.
         from kvfabric.hook.steering import attach_steering
 
-        attach_steering(scheduler, manager.block_pool, tracker, settings)
-    scheduler._kvfabric = installation
+        kwargs = {} if info_of is None else {"info_of": info_of}
+        installation.steering = attach_steering(scheduler, manager, installation, settings, policy, **kwargs)
+    if scheduler is not None:
+        _wrap_step(scheduler, installation)
+        scheduler._kvfabric = installation
+    manager._kvfabric = installation
     log.info(
         "kvfabric: hook installed (engine=%s, blocks=%d, block_size=%d, policy=%s, sink=%s)",
-        engine, tracker.num_blocks, tracker.block_size, settings.policy, settings.sink if settings.lifecycle else "off",
+        engine, num_blocks, block_size, policy_name, out.describe(),
     )
     return installation
+
+
+def install(scheduler: Any, settings: HookSettings) -> Installation | None:
+    """The plugin's entry: attach the hook to a freshly built scheduler."""
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    if manager is None:
+        return None
+    return build_hook(manager, settings, scheduler=scheduler, engine=engine_id(scheduler))

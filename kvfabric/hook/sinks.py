@@ -17,8 +17,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -241,130 +239,6 @@ class UnixArrowSink(Sink):
                 pass
 
 
-class ForwardingSink(Sink):
-    """``unix://`` by default: rows are pickled to a forwarder child process (:mod:`kvfabric.hook.forwarder`),
-    which converts them to Arrow and streams them to the collector, off vLLM's GIL.
-
-    The child is started on first use and restarted with backoff if it dies; rows written to a dead child are
-    counted lost here, rows the child cannot deliver are counted there, both reported as ``sink_dropped``.
-    """
-
-    name = "unix"
-
-    def __init__(self, path: str, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.path = path
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._backoff = 0.1
-        self._next_attempt = 0.0
-        self.spawns = 0
-        self._written = 0  # rows written to the current child
-        self._acked = 0  # rows the current child acknowledged as accounted for
-        self._ack_thread: threading.Thread | None = None
-        self._ack_proc: subprocess.Popen[bytes] | None = None  # the child whose acknowledgements count
-
-    def _read_acks(self, proc: subprocess.Popen[bytes]) -> None:
-        from kvfabric.hook.forwarder import _ACK
-
-        assert proc.stdout is not None
-        while True:
-            data = proc.stdout.read(_ACK.size)
-            if len(data) < _ACK.size:
-                return
-            if proc is self._ack_proc:
-                self._acked = _ACK.unpack(data)[0]
-
-    def _child_gone(self, proc: subprocess.Popen[bytes]) -> None:
-        """The child exited: rows it never accounted for are lost, and counted here."""
-        if self._ack_thread is not None:
-            self._ack_thread.join(2.0)
-        lost = max(0, self._written - self._acked)
-        if lost:
-            self.send_lost += lost
-            log.warning("kvfabric: forwarder exited with %s; %d events it held are lost", proc.returncode, lost)
-        self._written = self._acked = 0
-
-    def _ready(self, final: bool) -> bool:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            return True
-        if proc is not None:
-            self._child_gone(proc)
-            self._proc = None
-        now = time.monotonic()
-        if now < self._next_attempt and not final:
-            return False
-        from kvfabric.hook.forwarder import write_frame
-
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvfabric.hook.forwarder", "--socket", self.path,
-                 "--batch-events", str(self.batch_events), "--flush-ms", str(int(self.flush_s * 1000)),
-                 "--buffer-events", str(self.buffer.capacity)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-            )
-            assert proc.stdin is not None
-            write_frame(proc.stdin, self.metadata)
-            proc.stdin.flush()
-        except (OSError, ValueError) as exc:
-            self._next_attempt = now + self._backoff
-            self._backoff = min(self._backoff * 2, 5.0)
-            log.warning("kvfabric: cannot start the forwarder (%s); retrying with backoff", exc)
-            return False
-        self._proc = self._ack_proc = proc
-        self._written = self._acked = 0
-        self._ack_thread = threading.Thread(target=self._read_acks, args=(proc,), daemon=True,
-                                            name="kvfabric-forwarder-acks")
-        self._ack_thread.start()
-        self._backoff = 0.1
-        self.spawns += 1
-        return True
-
-    def _write(self, rows: list[tuple], seq: int) -> None:
-        from kvfabric.hook.forwarder import write_frame
-
-        assert self._proc is not None and self._proc.stdin is not None
-        write_frame(self._proc.stdin, rows)
-        self._proc.stdin.flush()
-        self._written += len(rows)  # only now: a failed write is counted lost by the caller, once
-
-    def _on_write_error(self, exc: Exception) -> None:
-        super()._on_write_error(exc)
-        self._next_attempt = time.monotonic() + self._backoff
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush through the forwarder; if it cannot take the last rows within ``timeout`` (collector away, pipe
-        full), kill it: everything it had not acknowledged is then counted lost, and close() returns."""
-        watchdog = threading.Timer(timeout, self._kill_child)
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            super().close(timeout)
-        finally:
-            watchdog.cancel()
-
-    def _kill_child(self) -> None:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            log.warning("kvfabric: forwarder still busy at close; stopping it (unacknowledged events count as lost)")
-            proc.kill()
-
-    def _close_output(self) -> None:
-        """Close the pipe: the forwarder flushes to the collector and exits; wait for it (bounded)."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            proc.wait(timeout=40)
-        except (OSError, subprocess.TimeoutExpired):
-            log.warning("kvfabric: forwarder did not finish flushing in time; killing it")
-            proc.kill()
-            proc.wait()
-        self._child_gone(proc)  # what it could not deliver (collector unreachable at the end) is counted here
-
-
 class JsonlSink(Sink):
     """One JSON object per event, appended to a file; the first line of each stream is its metadata."""
 
@@ -395,25 +269,3 @@ class JsonlSink(Sink):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def make_sink(
-    spec: str,
-    buffer: EventBuffer,
-    metadata: dict[str, str],
-    dropped_row: Callable[[int], tuple],
-    batch_events: int,
-    flush_ms: int,
-) -> Sink:
-    """Build the sink named by ``KVFABRIC_SINK`` (``unix://PATH``, ``jsonl://PATH`` or ``none``)."""
-    args = (buffer, metadata, dropped_row)
-    kwargs = {"batch_events": batch_events, "flush_ms": flush_ms}
-    if spec.startswith("unix://"):
-        path = spec[len("unix://") :]
-        if os.environ.get("KVFABRIC_SINK_INLINE", "").strip() in ("1", "true", "yes"):
-            # Arrow conversion on the sink thread of this process (no child): simpler, but it holds the GIL.
-            return UnixArrowSink(path, *args, **kwargs)
-        return ForwardingSink(path, *args, **kwargs)
-    if spec.startswith("jsonl://"):
-        return JsonlSink(spec[len("jsonl://") :], *args, **kwargs)
-    return NullSink(*args, **kwargs)

@@ -25,8 +25,15 @@ Invariants (``tests/test_steering*.py`` checks them through vLLM's real BlockPoo
   * descendants leave before ancestors (the index's rule) where the policy reorders;
   * cost per allocation: O(log n) (heap) or O(1) (segments), never a scan of the list.
 
-Admission: :class:`~kvfabric.policies.admission.AnchorAdmissionGate` on ``tracker.admission_gate``; install.py
-passes its mask to ``cache_full_blocks``.
+Statistics: a policy reads block statistics from a :class:`~kvfabric.hook.lifecycle.StatisticsKeeper`, which
+applies the recorder's call records as they are made (the same side-table code the forwarder runs), with
+``last_use`` on the index's logical clock.
+
+Request context: the free wrapper puts the freeing request's :class:`~kvfabric.policies.base.RequestInfo` where
+the queue finds it while vLLM appends that request's blocks, and the index passes it to the policy's key.
+
+Admission: :class:`~kvfabric.policies.admission.AnchorAdmissionGate` on ``recorder.gate``; install.py passes its
+mask to ``cache_full_blocks``.
 
 Cache-aware scheduling (``KVFABRIC_CACHE_AWARE_SCHEDULING=1``, off by default): a waiting request whose next
 uncached block is being prefilled right now by a running request is held back (skipped for this step) until that
@@ -38,12 +45,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvfabric import schema as S
 from kvfabric.config import HookSettings
-from kvfabric.hook.tracker import LifecycleTracker
+from kvfabric.hook import records as R
+from kvfabric.hook.hints import request_info
+from kvfabric.hook.lifecycle import StatisticsKeeper
 from kvfabric.policies import make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
 from kvfabric.policies.base import EvictionPolicy, RequestInfo
@@ -54,42 +63,25 @@ log = logging.getLogger("kvfabric.hook")
 _QUEUE_CLASSES: dict[type, type] = {}
 
 
-def request_info(request: Any) -> RequestInfo:
-    """Request hints from ``SamplingParams.extra_args``.
-
-    Keys: ``kvfabric_family``, ``kvfabric_session``, ``kvfabric_session_end``; vLLM 0.33's own ``session_id``
-    stands in for a missing ``kvfabric_session``.
-    """
-    params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None) or {}
-    session = extra.get("kvfabric_session")
-    if session is None:
-        session = getattr(request, "session_id", None)  # vLLM 0.33 carries one of its own
-    family = extra.get("kvfabric_family")
-    return RequestInfo(
-        request_id=str(getattr(request, "request_id", "")),
-        family=None if family is None else str(family),
-        session=None if session is None else str(session),
-        session_end=bool(extra.get("kvfabric_session_end", False)),
-    )
-
-
 class Steering:
-    """What steering attached to one pool: the policy, its index, the gate, the hold; plus counters."""
+    """What steering attached to one pool: the policy, its index and statistics, the gate, the hold; counters."""
 
-    def __init__(self, tracker: LifecycleTracker, policy: EvictionPolicy | None, index: VictimIndex | None) -> None:
-        self.tracker = tracker
+    def __init__(self, recorder: Any, policy: EvictionPolicy | None, index: VictimIndex | None,
+                 keeper: StatisticsKeeper | None) -> None:
+        self.recorder = recorder
         self.policy = policy
         self.index = index
+        self.keeper = keeper
         self.gate: AnchorAdmissionGate | None = None
         self.hold: CacheAwareHold | None = None
+        self.ctx: RequestInfo | None = None  # the request whose blocks vLLM is freeing right now
         self.victims = 0  # blocks the policy chose
         self.protected_victims = 0  # of which the policy had marked protected (it had nothing else left)
         self.fallbacks = 0  # blocks taken from the head because the index had none (reset, unpinned blocks)
         self.stale = 0  # index entries found no longer free or no longer cached (skipped)
         self.errors = 0
         #: Whether events go out (lifecycle recording on): retain scores and protection are kept for them.
-        self.reports = bool(tracker.settings.lifecycle)
+        self.reports = recorder.log is not None
         # The policy's eviction observer, or None when it keeps the base class's no-op (saves a call per victim).
         self.on_evicted = (
             policy.on_evicted
@@ -98,7 +90,7 @@ class Steering:
         )
 
     def failed(self, where: str) -> None:
-        """A steering observer failed: count it, log once; vLLM's own call is never affected."""
+        """A steering step failed: count it, log once; vLLM's own call is never affected."""
         self.errors += 1
         if self.errors == 1:
             log.exception("kvfabric: steering %s failed; eviction falls back to vLLM's order where needed", where)
@@ -118,38 +110,58 @@ def policy_queue_class(base: type) -> type:
 
         # -- additions --------------------------------------------------------------------------------------
 
-        def _kv_add(self, blk: Any) -> None:
+        def _kv_add_all(self, blocks: list[Any]) -> None:
+            """New candidates (in vLLM's order); their scores go out in one record when events are recorded."""
             st = self._kv_steering
             index = st.index
-            if index is None or blk.block_hash is None:
+            if index is None:
                 return
             try:
-                b = blk.block_id
-                key = index.add(b)
-                if st.reports:
-                    # Only events carry these (block_evicted's retain_score/protected): skip them when none go out.
-                    policy = st.policy
-                    t = st.tracker.table
-                    t.score[b] = policy.retain_score(key, index.now)  # type: ignore[union-attr]
-                    t.protected[b] = policy.is_protected(t, b, key, index.now)  # type: ignore[union-attr]
+                ctx = st.ctx
+                add = index.add
+                if not st.reports:
+                    for blk in blocks:
+                        if blk.block_hash is not None:
+                            add(blk.block_id, ctx)
+                    return
+                policy = st.policy
+                assert policy is not None
+                t = index.owner.table
+                now = index.now
+                ids: list[int] = []
+                scores: list[float] = []
+                flags: list[bool] = []
+                for blk in blocks:
+                    if blk.block_hash is None:
+                        continue
+                    b = blk.block_id
+                    key = add(b, ctx)
+                    score = policy.retain_score(key, now)
+                    flag = policy.is_protected(t, b, key, now)
+                    t.score[b] = score
+                    t.protected[b] = flag
+                    ids.append(b)
+                    scores.append(score)
+                    flags.append(flag)
+                if ids:
+                    r = st.recorder
+                    if r.log is not None:
+                        r.log.append((R.SCORED, ids, scores, flags))
             except Exception:
                 st.failed("add")
 
         def append(self, block: Any) -> None:
             super().append(block)
-            self._kv_add(block)
+            self._kv_add_all([block])
 
         def append_n(self, blocks: list[Any]) -> None:
             super().append_n(blocks)
-            for blk in blocks:
-                self._kv_add(blk)
+            self._kv_add_all(blocks)
 
         def prepend_n(self, blocks: list[Any]) -> None:
             # vLLM prepends only uncached blocks; a cached one (not a vLLM path today) still becomes a candidate.
             super().prepend_n(blocks)
-            for blk in blocks:
-                if blk.block_hash is not None:
-                    self._kv_add(blk)
+            self._kv_add_all(blocks)
 
         # -- removals ---------------------------------------------------------------------------------------
 
@@ -157,7 +169,10 @@ def policy_queue_class(base: type) -> type:
             super().remove(block)
             index = self._kv_steering.index
             if index is not None:
-                index.discard(block.block_id)
+                try:
+                    index.discard(block.block_id)
+                except Exception:
+                    self._kv_steering.failed("discard")
 
         def popleft(self) -> Any:
             if self.num_free_blocks <= 0:
@@ -174,25 +189,30 @@ def policy_queue_class(base: type) -> type:
             tail = self.fake_free_list_tail
             unlink = base.remove
             out: list[Any] = []
-            # 1. Uncached blocks first: vLLM keeps them at the head, and reusing them evicts nothing.
+            # 1. Uncached blocks first: vLLM keeps them at the head, and reusing them evicts nothing. (The index
+            # holds cached blocks only, but a connector may have dropped a waiting block's hash: forget it too.)
             while len(out) < n:
                 blk = head.next_free_block
                 if blk is None or blk is tail or blk.block_hash is not None:
                     break
                 unlink(self, blk)
-                if index is not None:
-                    index.discard(blk.block_id)
                 out.append(blk)
+            if index is not None and out:
+                try:
+                    for blk in out:
+                        index.discard(blk.block_id)
+                except Exception:
+                    st.failed("discard")
             # 2. The policy's victims.
             chosen = 0
             top_score: float | None = None
             any_protected = False
             if len(out) < n and index is not None:
                 blocks = self._kv_blocks
-                t = st.tracker.table
                 reports = st.reports
                 on_evicted = st.on_evicted
                 try:
+                    t = index.owner.table
                     while len(out) < n:
                         b = index.pop()
                         if b is None:
@@ -222,16 +242,22 @@ def policy_queue_class(base: type) -> type:
                 assert blk is not None and blk is not tail, "free list shorter than num_free_blocks"
                 unlink(self, blk)
                 if index is not None:
-                    index.discard(blk.block_id)
+                    try:
+                        index.discard(blk.block_id)
+                    except Exception:
+                        st.failed("discard")
                 st.fallbacks += 1
                 out.append(blk)
             if index is not None:
-                index.tick(n)
+                try:
+                    index.tick(n)
+                except Exception:
+                    st.failed("clock")
             if chosen:
                 st.victims += chosen
-                if st.reports and st.policy is not None and st.policy.ranked:
-                    tr = st.tracker
-                    tr.guard(tr.on_candidates_ranked, chosen, top_score, any_protected)
+                r = st.recorder
+                if st.reports and st.policy is not None and st.policy.ranked and r.log is not None:
+                    r.log.append((R.RANKED, r.clock(), r.step, r.rid, chosen, top_score, any_protected))
             return out
 
     PolicyFreeBlockQueue.__name__ = f"KVFabricPolicy{base.__name__}"
@@ -249,8 +275,20 @@ def _iter_digests(hashes: Any, start: int) -> Iterator[int]:
         yield h
 
 
-def _wrap_manager_for_policy(manager: Any, steering: Steering, block_size: int) -> None:
-    """Per-request policy observers: admission (ghost judgement) and free (session hints around the free)."""
+def _ending_info(request: Any, info_of: Callable[[Any], RequestInfo]) -> RequestInfo:
+    """The freeing request's context. A preempted request is freed too, and will be back: only a finished one
+    ends its session."""
+    info = info_of(request)
+    if info.session_end:
+        is_finished = getattr(request, "is_finished", None)
+        if callable(is_finished) and not is_finished():
+            info = RequestInfo(info.request_id, info.family, info.session, False, info.position)
+    return info
+
+
+def _wrap_manager_for_policy(manager: Any, steering: Steering, block_size: int,
+                             info_of: Callable[[Any], RequestInfo]) -> None:
+    """Per-request policy observers: admission (ghost judgement) and the context of a free."""
     allocate_slots = manager.allocate_slots
     free = manager.free
     policy = steering.policy
@@ -263,27 +301,23 @@ def _wrap_manager_for_policy(manager: Any, steering: Steering, block_size: int) 
                 hit_tokens = kwargs.get("num_new_computed_tokens", args[0] if args else 0) or 0
                 hit = hit_tokens // block_size
                 hashes = request.block_hashes
-                policy.on_request_started(request_info(request), hit, len(hashes), _iter_digests(hashes, hit))
+                policy.on_request_started(info_of(request), hit, len(hashes), _iter_digests(hashes, hit))
             except Exception:
                 steering.failed("admission observer")
         return allocate_slots(request, num_new_tokens, *args, **kwargs)
 
     @functools.wraps(free)
     def kvfabric_policy_free(request: Any, *args: Any, **kwargs: Any) -> Any:
+        prev = steering.ctx
         try:
-            info = request_info(request)
-            if info.session_end:
-                # A preempted request is freed too, and will be back: only a finished one ends its session.
-                is_finished = getattr(request, "is_finished", None)
-                if callable(is_finished) and not is_finished():
-                    info = RequestInfo(info.request_id, info.family, info.session, False)
-            policy.on_request_finished(info, ())
+            steering.ctx = _ending_info(request, info_of)
         except Exception:
             steering.failed("free observer")
+            steering.ctx = None
         try:
             return free(request, *args, **kwargs)
         finally:
-            policy.on_request_freed()
+            steering.ctx = prev
 
     manager.allocate_slots = kvfabric_policy_allocate_slots
     manager.free = kvfabric_policy_free
@@ -365,46 +399,47 @@ class CacheAwareHold:
 
 def attach_steering(
     scheduler: Any,
-    pool: Any,
-    tracker: LifecycleTracker,
+    manager: Any,
+    installation: Any,
     settings: HookSettings,
     policy: EvictionPolicy | None = None,
     *,
-    manager: Any = None,
+    info_of: Callable[[Any], RequestInfo] = request_info,
 ) -> Steering:
-    """Attach what ``settings`` asks for (policy, gate, cache-aware scheduling) to one scheduler's pool.
+    """Attach what ``settings`` asks for (policy, gate, cache-aware scheduling) to one manager's pool.
 
-    ``policy`` overrides ``settings.policy`` (the replay uses it for the offline optimum). ``scheduler`` may be
-    None when ``manager`` (a bare KVCacheManager, as in tests) is given: cache-aware scheduling then has nothing
-    to attach to. The returned :class:`Steering` is also kept as ``pool._kvfabric_steering``.
+    ``policy`` overrides ``settings.policy`` (the replay's optimum). ``scheduler`` may be None (a bare
+    KVCacheManager, as in tests): cache-aware scheduling then has nothing to attach to. ``info_of`` reads a
+    request's context (the replay adds its trace position). The returned :class:`Steering` is also kept as
+    ``pool._kvfabric_steering``.
     """
-    if manager is None and scheduler is not None:
-        manager = getattr(scheduler, "kv_cache_manager", None)
-    block_size = int(getattr(scheduler, "block_size", 0) or tracker.block_size or getattr(pool, "hash_block_size", 16))
-    if not tracker.enabled and not settings.lifecycle:
-        # Policies read the side table, which the tracker keeps only while it runs; with lifecycle recording off
-        # it runs for the statistics alone: no events, and only the observers that feed the fields policies read.
-        _statistics_only(tracker)
+    pool = manager.block_pool
+    recorder = installation.recorder
+    block_size = installation.block_size
     if policy is None and settings.policy != "lru":
         policy = make_policy(settings.policy, settings)
     index = None
+    keeper = None
     if policy is not None:
-        index = make_index(policy, tracker, int(pool.num_gpu_blocks))
-    steering = Steering(tracker, policy, index)
+        num_blocks = int(pool.num_gpu_blocks)
+        null_block = int(getattr(getattr(pool, "null_block", None), "block_id", 0) or 0)
+        clock: list[VictimIndex] = []
+        keeper = StatisticsKeeper(num_blocks, lambda: clock[0].now, null_block)
+        index = make_index(policy, keeper, num_blocks)
+        clock.append(index)
+        recorder.keeper = keeper
+    steering = Steering(recorder, policy, index, keeper)
     if policy is not None and index is not None:
         queue = pool.free_block_queue
         # Candidates already in the queue (a hook installed on a warm pool) become known to the index.
         queue.__class__ = policy_queue_class(type(queue))
         queue._kv_steering = steering
         queue._kv_blocks = pool.blocks
-        for blk in queue.get_all_free_blocks():
-            queue._kv_add(blk)
-        tracker.policy = policy
-        if manager is not None:
-            _wrap_manager_for_policy(manager, steering, block_size)
+        queue._kv_add_all(queue.get_all_free_blocks())
+        _wrap_manager_for_policy(manager, steering, block_size, info_of)
     if settings.admission_gate_on:
         steering.gate = AnchorAdmissionGate(settings.admission_anchor_blocks)
-        tracker.admission_gate = steering.gate
+        recorder.gate = steering.gate
     if settings.cache_aware_scheduling and scheduler is not None:
         steering.hold = CacheAwareHold(scheduler, pool, block_size)
         steering.hold.attach()
@@ -416,85 +451,3 @@ def attach_steering(
         steering.hold is not None,
     )
     return steering
-
-
-def _statistics_only(tracker: LifecycleTracker) -> None:
-    """Turn a tracker whose lifecycle recording is off into a lean keeper of the side-table fields policies read.
-
-    The tracker's own statistics mode (``enabled`` on, ``recording`` off) would do: this only makes it cheaper.
-    Policies and the victim index read ``hash``, ``parent``, ``parent_block``, ``depth``, ``hits``, ``share``,
-    ``users``, ``branch``; events, families, timestamps and the evicted-hash memory (rebuilt detection) are not
-    needed, so the observers that only produce those are replaced (instance attributes, this tracker only) by
-    no-ops or lean versions. The kept fields follow exactly the tracker's semantics (``on_allocated`` resets a
-    block that still had a digest: vLLM just evicted it; ``on_sealed`` sets the new life; ``on_touched`` counts
-    a use).
-    """
-    tracker.enabled = True
-    tracker.recording = False  # the tracker's own gate: no event leaves it
-
-    def nothing(*args: Any) -> None:
-        return None
-
-    hash64 = S.hash64
-
-    def on_allocated(blocks: Any) -> None:
-        t = tracker.table
-        hashes = t.hash
-        for blk in blocks:
-            if hashes[blk.block_id] is not None:
-                t.reset(blk.block_id)
-
-    def on_touched(blocks: Any) -> None:
-        t = tracker.table
-        req = tracker.current_request
-        rid = None if req is None else req.request_id
-        for blk in blocks:
-            if blk.is_null:
-                continue
-            b = blk.block_id
-            t.hits[b] += 1
-            t.use(b, rid)
-
-    def on_evicting(blk: Any) -> None:
-        if blk.block_hash is not None:
-            tracker.table.reset(blk.block_id)
-
-    def on_sealed(request: Any, blocks: Any, start: int, end: int, block_mask: Any, hash_block_size: int,
-                  block_size: int) -> None:
-        t = tracker.table
-        rid = request.request_id
-        for i in range(start, end):
-            blk = blocks[i]
-            if blk.is_null or (block_mask is not None and not block_mask[i - start]) or blk.block_hash is None:
-                continue
-            b = blk.block_id
-            h = hash64(blk.block_hash)
-            parent_id = -1
-            parent = None
-            if i > 0:
-                prev = blocks[i - 1]
-                if not prev.is_null:
-                    parent_id = prev.block_id
-                    parent = t.hash[parent_id]
-            t.hash[b] = h
-            t.parent[b] = parent
-            t.parent_block[b] = parent_id
-            t.depth[b] = i
-            t.hits[b] = 0
-            t.share[b] = 1
-            t.users[b] = (rid,)
-            if parent_id >= 0:
-                kids = t.children[parent_id]
-                if kids is None:
-                    t.children[parent_id] = {h}
-                    t.branch[parent_id] += 1
-                elif h not in kids:
-                    kids.add(h)
-                    t.branch[parent_id] += 1
-
-    tracker.on_allocated = on_allocated  # type: ignore[method-assign]
-    tracker.on_freed = nothing  # type: ignore[method-assign]
-    tracker.on_admitted = nothing  # type: ignore[method-assign]
-    tracker.on_touched = on_touched  # type: ignore[method-assign]
-    tracker.on_evicting = on_evicting  # type: ignore[method-assign]
-    tracker.on_sealed = on_sealed  # type: ignore[method-assign]

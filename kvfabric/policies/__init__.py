@@ -2,6 +2,8 @@
 
 Every policy is a key function over block statistics (:mod:`kvfabric.policies.builtin`); the structures that order
 candidates live in :mod:`kvfabric.policies.index`. ``lru`` is vLLM's own order: inside vLLM it attaches nothing.
+One registry: :func:`make_policy` builds every policy by name, the offline optimum included (it needs an oracle of
+future accesses, so only replays can build it).
 """
 
 from __future__ import annotations
@@ -12,16 +14,30 @@ if TYPE_CHECKING:
     from kvfabric.policies.base import EvictionPolicy, PolicySettings
 
 POLICY_NAMES: tuple[str, ...] = ("lru", "family_protect", "shared_aware", "adaptive_aging")
-"""Names accepted by ``KVFABRIC_EVICTION_POLICY`` (config.py validates against this tuple)."""
+"""Policies a live server can run (``KVFABRIC_EVICTION_POLICY``; config.py validates against this tuple)."""
+
+ORACLE_POLICIES: tuple[str, ...] = ("optimal",)
+"""Policies that need the future (an oracle of accesses): replays only."""
+
+ALL_POLICIES: tuple[str, ...] = (*POLICY_NAMES, *ORACLE_POLICIES)
 
 
-def make_policy(name: str, settings: PolicySettings | Any | None = None) -> EvictionPolicy:
-    """The policy called ``name``; ``settings`` is a :class:`PolicySettings` or the hook's ``HookSettings``."""
+def make_policy(name: str, settings: PolicySettings | Any | None = None, *, oracle: Any = None) -> EvictionPolicy:
+    """The policy called ``name``; ``settings`` is a :class:`PolicySettings` or the hook's ``HookSettings``.
+
+    ``oracle`` is what an oracle policy needs (for ``optimal``: ``{digest: [request positions]}``, see
+    :func:`kvfabric.policies.optimal.occurrences_of`).
+    """
     from kvfabric.policies import builtin
     from kvfabric.policies.base import PolicySettings
+    from kvfabric.policies.optimal import OptimalPolicy
 
     if settings is not None and not isinstance(settings, PolicySettings):
         settings = PolicySettings.from_hook_settings(settings)
+    if name == "optimal":
+        if oracle is None:
+            raise ValueError("the optimal policy needs the future: only a replay can build it (oracle=...)")
+        return OptimalPolicy(oracle, settings)
     classes: dict[str, type[EvictionPolicy]] = {
         "lru": builtin.LRUPolicy,
         "family_protect": builtin.FamilyProtectPolicy,
@@ -31,5 +47,5 @@ def make_policy(name: str, settings: PolicySettings | Any | None = None) -> Evic
     try:
         cls = classes[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})") from None
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(ALL_POLICIES)})") from None
     return cls(settings)

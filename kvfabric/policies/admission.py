@@ -67,32 +67,31 @@ class AnchorAdmissionGate:
 
     def mask(
         self,
-        tracker: Any,
+        recorder: Any,
         request: Any,
-        blocks: Sequence[Any],
         start: int,
         end: int,
         vllm_mask: Sequence[bool] | None,
     ) -> list[bool] | None:
         """``block_mask`` for ``cache_full_blocks(request, blocks, start, end, ...)``: vLLM's mask, narrowed.
 
+        ``recorder`` gives the request's family (``family_of``) and records what the gate refused (``limited``).
         Returns ``vllm_mask`` unchanged (possibly None) when the request may cache everything in ``[start, end)``.
-        Never raises (install.py calls it outside the tracker's guard): on any internal error vLLM's mask stands.
+        Never raises (it runs on vLLM's path): on any internal error vLLM's mask stands.
         """
         try:
-            return self._mask(tracker, request, start, end, vllm_mask)
+            return self._mask(recorder, request, start, end, vllm_mask)
         except Exception:
             return None if vllm_mask is None else list(vllm_mask)
 
     def _mask(
-        self, tracker: Any, request: Any, start: int, end: int, vllm_mask: Sequence[bool] | None
+        self, recorder: Any, request: Any, start: int, end: int, vllm_mask: Sequence[bool] | None
     ) -> list[bool] | None:
+        from kvfabric.hook.hints import hinted  # the one reader of request hints
+
         limit = self.decided.get(request.request_id, -1)
         if limit == -1:
-            params = getattr(request, "sampling_params", None)
-            extra = getattr(params, "extra_args", None) or {}
-            hinted = bool(extra.get("kvfabric_family") or extra.get("kvfabric_session"))
-            limit = self.decide(request.request_id, tracker.family_of(request), hinted)
+            limit = self.decide(request.request_id, recorder.family_of(request), hinted(request))
         if limit is None or end <= limit:
             return None if vllm_mask is None else list(vllm_mask)
         n = end - start
@@ -104,5 +103,5 @@ class AnchorAdmissionGate:
                 masked += 1
         if masked:
             self.limited_blocks += masked
-            tracker.on_admission_limited(request, masked)
+            recorder.limited(request, masked)
         return mask

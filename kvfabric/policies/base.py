@@ -11,9 +11,11 @@ Two worlds call the same policy objects:
 * offline, :mod:`kvfabric.sim.offline` replays block accesses with the same statistics, updated the same way.
 
 Invariants every policy must respect (the index enforces the structural ones):
-  * a key is a pure function of the block's statistics and of ``now``, computed once when the block becomes a
-    candidate (its last reference went); it never changes while the block waits, so ordering is a heap or a set
-    of FIFO segments, never a scan;
+  * a key is a function of the block's statistics, of ``now`` and of the request context ``ctx`` (the request
+    whose free made the block a candidate, or None: a free with no request), all passed explicitly; it is
+    computed once when the block becomes a candidate (its last reference went) and never changes while the
+    block waits, so ordering is a heap or a set of FIFO segments, never a scan. What a policy learns from the
+    traffic (e.g. a credit moved by ghost hits) may change later keys, never a waiting block's;
   * keys should be monotone along a chain (a parent's statistics dominate its child's: every use of a child is a
     use of its parent), so that "descendants before ancestors" mostly holds by itself; the index enforces it
     exactly anyway;
@@ -36,8 +38,9 @@ from typing import Any, ClassVar, Protocol
 class BlockStats(Protocol):
     """What a policy may read about block ``b`` (lists indexed by block id).
 
-    :class:`kvfabric.hook.tracker.SideTable` is the implementation inside vLLM; the offline replay uses the same
-    class. Fields describe the block's *current* cached life (reset at eviction, set at sealing).
+    :class:`kvfabric.side_table.SideTable` is the one implementation (inside vLLM, in the forwarder and in the
+    offline replay). Fields describe the block's *current* cached life (reset at eviction, set at sealing);
+    ``last_use`` is on the same clock as the ``now`` a policy is given.
     """
 
     hash: list[int | None]
@@ -48,7 +51,7 @@ class BlockStats(Protocol):
     hits: list[int]
     share: list[int]
     branch: list[int]
-    last_ns: list[int]
+    last_use: list[int]
     protected: list[bool]
     score: list[float | None]
 
@@ -75,13 +78,15 @@ class RequestInfo:
     """What a policy may know about a request (hints are optional; absent means "infer").
 
     ``session``: ``SamplingParams.extra_args["kvfabric_session"]``; ``session_end``: the client said this is the
-    conversation's last turn (``kvfabric_session_end``).
+    conversation's last turn (``kvfabric_session_end``); ``position``: the request's index in a replayed trace
+    (only replays know it; the optimum's oracle uses it).
     """
 
     request_id: str
     family: str | None = None
     session: str | None = None
     session_end: bool = False
+    position: int | None = None
 
 
 class EvictionPolicy(ABC):
@@ -102,8 +107,9 @@ class EvictionPolicy(ABC):
         self.settings = settings or PolicySettings()
 
     @abstractmethod
-    def key(self, t: BlockStats, b: int, now: int) -> float:
-        """Eviction key of block ``b`` becoming a candidate at logical time ``now`` (lower = evicted sooner)."""
+    def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
+        """Eviction key of block ``b`` becoming a candidate at logical time ``now`` (lower = evicted sooner);
+        ``ctx`` is the request whose free made it a candidate (None when vLLM frees with no request)."""
 
     def retain_score(self, key: float, now: int) -> float:
         """The key as reported in events (``retain_score``, higher = keep). Default: the key itself."""
@@ -130,13 +136,6 @@ class EvictionPolicy(ABC):
 
         ``missed`` iterates (lazily) the digests of the blocks right after the hit, in chain order; ``digests`` is
         the whole chain's digests (a lazy sequence in the hook). Called once per admission, before allocation."""
-
-    def on_request_finished(self, info: RequestInfo, block_ids: Sequence[int]) -> None:  # noqa: B027
-        """A request's blocks are about to be freed (in vLLM's order: tail first); keys computed until
-        :meth:`on_request_freed` belong to this request."""
-
-    def on_request_freed(self) -> None:  # noqa: B027
-        """The blocks of the request announced by :meth:`on_request_finished` are back in the free queue."""
 
     def on_evicted(self, t: BlockStats, b: int, now: int) -> None:  # noqa: B027
         """Block ``b`` (still holding its statistics) is being evicted at ``now``."""

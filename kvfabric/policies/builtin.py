@@ -21,7 +21,7 @@ class LRUPolicy(EvictionPolicy):
     num_segments: ClassVar[int] = 1
     ranked: ClassVar[bool] = False
 
-    def key(self, t: BlockStats, b: int, now: int) -> float:
+    def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
         return 0
 
 
@@ -38,7 +38,7 @@ class FamilyProtectPolicy(EvictionPolicy):
     num_segments: ClassVar[int] = 2
     ranked: ClassVar[bool] = False
 
-    def key(self, t: BlockStats, b: int, now: int) -> float:
+    def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
         return 1 if (t.hits[b] >= self.settings.protect_min_hit_count or t.share[b] >= 2) else 0
 
     def is_protected(self, t: BlockStats, b: int, key: float, now: int) -> bool:
@@ -77,7 +77,7 @@ class SharedAwarePolicy(EvictionPolicy):
         )
         return math.floor(s * 8.0) / 8.0
 
-    def key(self, t: BlockStats, b: int, now: int) -> float:
+    def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
         return self.score(t, b) * _SCORE_SCALE + now
 
     def retain_score(self, key: float, now: int) -> float:
@@ -164,8 +164,6 @@ class AdaptiveAgingPolicy(EvictionPolicy):
         self.ghost_proven = _GhostSet(2)
         self.promoted: set[int] = set()  # digests rebuilt after a ghost hit, proven when they become candidates
         self.ghost_hits = [0, 0]  # unproven, proven
-        # The request whose blocks are being freed now (set around KVCacheManager.free), and its hint mode.
-        self._finishing_mode = 0  # 0: no hint, 1: live session, -1: ended session
 
     def bind(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -173,12 +171,13 @@ class AdaptiveAgingPolicy(EvictionPolicy):
         self.ghost_unproven = _GhostSet(self.GHOST_FACTOR * num_blocks)
         self.ghost_proven = _GhostSet(self.GHOST_FACTOR * num_blocks)
 
-    def key(self, t: BlockStats, b: int, now: int) -> float:
-        mode = self._finishing_mode
-        if mode < 0 and t.share[b] <= 1 and t.hits[b] == 0:
+    def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
+        ended = ctx is not None and ctx.session_end
+        if ended and t.share[b] <= 1 and t.hits[b] == 0:
             self.proven_cls[b] = False
             return self.DEAD + now
-        proven = t.hits[b] >= 1 or t.share[b] >= 2 or mode > 0 or t.hash[b] in self.promoted
+        live = ctx is not None and ctx.session is not None and not ended
+        proven = t.hits[b] >= 1 or t.share[b] >= 2 or live or t.hash[b] in self.promoted
         self.proven_cls[b] = proven
         return now + self.credit if proven else float(now)
 
@@ -206,17 +205,6 @@ class AdaptiveAgingPolicy(EvictionPolicy):
             else:
                 break  # past the evicted run: nothing further back of this chain was in the cache recently
             self.promoted.add(h)
-
-    def on_request_finished(self, info: RequestInfo, block_ids: Sequence[int]) -> None:
-        if info.session_end:
-            self._finishing_mode = -1
-        elif info.session is not None:
-            self._finishing_mode = 1
-        else:
-            self._finishing_mode = 0
-
-    def on_request_freed(self) -> None:
-        self._finishing_mode = 0
 
     def on_evicted(self, t: BlockStats, b: int, now: int) -> None:
         h = t.hash[b]

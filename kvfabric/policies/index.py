@@ -32,7 +32,7 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 
-from kvfabric.policies.base import EvictionPolicy, TableOwner
+from kvfabric.policies.base import EvictionPolicy, RequestInfo, TableOwner
 
 
 class VictimIndex(ABC):
@@ -72,13 +72,14 @@ class VictimIndex(ABC):
             return -1  # the parent was evicted (and maybe reused) since: the link is dead
         return p
 
-    def add(self, b: int) -> float:
-        """Block ``b`` became a cached free candidate. Returns its key (already clamped under its parent's)."""
+    def add(self, b: int, ctx: RequestInfo | None = None) -> float:
+        """Block ``b`` became a cached free candidate (freed by the request ``ctx``, if any). Returns its key
+        (already clamped under its parent's)."""
         held = self.held
         if held[b]:
             return self.keys[b]
         t = self.owner.table
-        key = self.policy.key(t, b, self.now)
+        key = self.policy.key(t, b, self.now, ctx)
         # The parent link (inlined _parent: this is the per-block hot path).
         p = t.parent_block[b]
         if p >= 0 and (p == b or t.parent[b] is None or t.hash[p] != t.parent[b]):

@@ -124,12 +124,14 @@ def build_scheduler(
     max_model_len: int = 8192,
     enable_prefix_caching: bool = True,
     model_dir: str | None = None,
+    load_plugins: bool = True,
 ) -> Scheduler:
     """Build vLLM's real ``Scheduler`` (and through it ``KVCacheManager`` and ``BlockPool``) on a CPU.
 
     ``num_blocks`` counts vLLM's null block, so ``num_blocks - 1`` blocks are usable. Installed vLLM general
-    plugins are loaded first (as ``EngineCore.__init__`` does), and the class is looked up on its module at call
-    time, so a plugin that wraps ``Scheduler.__init__`` sees this construction exactly as in a real engine.
+    plugins are loaded first (as ``EngineCore.__init__`` does; ``load_plugins=False`` skips them, for a plain
+    vLLM baseline), and the class is looked up on its module at call time, so a plugin that wraps
+    ``Scheduler.__init__`` sees this construction exactly as in a real engine.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local config.json; never reach for the Hub
     import torch
@@ -141,7 +143,8 @@ def build_scheduler(
 
     if num_blocks < 2:
         raise ValueError("num_blocks must be >= 2 (block 0 is vLLM's null block)")
-    load_general_plugins()
+    if load_plugins:
+        load_general_plugins()
     model_config = ModelConfig(
         model=resolve_model_dir(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len
     )

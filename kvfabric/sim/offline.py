@@ -12,8 +12,8 @@ It models exactly what vLLM's prefix cache does with a trace, at vLLM's block gr
 * requests run one at a time (``concurrency=1``, the sequential replay of the traces' README) or in a window of
   ``concurrency`` requests, which pins the blocks of every request in the window.
 
-Statistics are kept in the hook's own :class:`~kvfabric.hook.tracker.SideTable`, updated the way the tracker
-updates them, and the policies and victim indexes are the very objects the hook uses in vLLM. Numbers quoted in
+Statistics are kept in the one :class:`~kvfabric.side_table.SideTable`, through the same operations the hook's
+expander uses, and the policies and victim indexes are the very objects the hook uses in vLLM. Numbers quoted in
 docs come from the real scheduler (:mod:`kvfabric.sim.replay`); this mode exists to sweep, and the docs show where
 the two agree.
 
@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import itertools
 import json
-from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from kvfabric.hook.tracker import SideTable
 from kvfabric.policies import make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
-from kvfabric.policies.base import BlockStats, EvictionPolicy, PolicySettings, RequestInfo
+from kvfabric.policies.base import EvictionPolicy, PolicySettings, RequestInfo
 from kvfabric.policies.index import VictimIndex, make_index
+from kvfabric.policies.optimal import occurrences_of
+from kvfabric.side_table import SideTable
 
 TRACE_BLOCK_TOKENS = 512
 
@@ -85,42 +85,6 @@ def unique_blocks(trace: Sequence[TraceRequest], block_size: int) -> int:
     for req in trace:
         seen.update(block_keys(req, block_size))
     return len(seen)
-
-
-class OptimalPolicy(EvictionPolicy):
-    """Belady's MIN with ties towards deeper blocks; needs :attr:`next_use` filled in by the replay.
-
-    Key ``-(next_use * 2**20 + depth)``: farthest next use first, then deepest. A parent's next use is never
-    later than its child's (every use of a child is a use of its parent), so the order is prefix-closed.
-    """
-
-    name: ClassVar[str] = "optimal"
-    structure: ClassVar[str] = "heap"
-    ranked: ClassVar[bool] = True
-    NEVER: ClassVar[int] = 1 << 40
-
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(PolicySettings())
-        self.next_use = [self.NEVER] * num_blocks
-
-    def key(self, t: BlockStats, b: int, now: int) -> float:
-        return -float(self.next_use[b] * (1 << 20) + (t.depth[b] or 0))
-
-    def retain_score(self, key: float, now: int) -> float:
-        return key
-
-
-def next_uses(keys_per_request: Sequence[Sequence[int]]) -> list[array]:
-    """For request i and block position m: the index of the next request that has the same block, or NEVER."""
-    out: list[array] = [array("q")] * len(keys_per_request)
-    last: dict[int, int] = {}
-    never = OptimalPolicy.NEVER
-    for i in range(len(keys_per_request) - 1, -1, -1):
-        keys = keys_per_request[i]
-        out[i] = array("q", [last.get(k, never) for k in keys])
-        for k in keys:
-            last[k] = i
-    return out
 
 
 class _Owner:
@@ -260,27 +224,10 @@ class OfflineCache:
         self.slot_of[k] = s
         self.key_of[s] = k
         t = self.owner.table
-        t.hash[s] = k
         if parent_slot >= 0 and self.key_of[parent_slot] >= 0:
-            pk = self.key_of[parent_slot]
-            t.parent[s] = pk
-            t.parent_block[s] = parent_slot
-            kids = t.children[parent_slot]
-            if kids is None:
-                t.children[parent_slot] = {k}
-                t.branch[parent_slot] += 1
-            elif k not in kids:
-                kids.add(k)
-                t.branch[parent_slot] += 1
+            t.seal(s, k, self.key_of[parent_slot], parent_slot, depth, family, rid, self.index.now)
         else:
-            t.parent[s] = None
-            t.parent_block[s] = -1
-        t.depth[s] = depth
-        t.family[s] = family
-        t.hits[s] = 0
-        t.share[s] = 1
-        t.users[s] = (rid,)
-        t.last_ns[s] = self.index.now
+            t.seal(s, k, None, -1, depth, family, rid, self.index.now)
         if k in self.evicted_keys:
             self.evicted_keys.discard(k)
             self.result.rebuilt_from_eviction_blocks += 1
@@ -306,9 +253,7 @@ class OfflineCache:
             if self.ref[s] == 0:
                 index.discard(s)
             self.ref[s] += 1
-            t.hits[s] += 1
-            t.use(s, rid)
-            t.last_ns[s] = now
+            t.touch(s, rid, now)
             slots.append(s)
         family = None
         if keys:
@@ -340,30 +285,23 @@ class OfflineCache:
         res.prefix_hit_tokens += hit * bs
         return slots, hit
 
-    def finish(self, slots: Sequence[int], info: RequestInfo | None = None,
-               next_use: Callable[[int, int], int] | None = None) -> None:
-        """Free a request's slots tail first (``KVCacheManager.free``)."""
-        if info is not None:
-            self.policy.on_request_finished(info, slots)
+    def finish(self, slots: Sequence[int], info: RequestInfo | None = None) -> None:
+        """Free a request's slots tail first (``KVCacheManager.free``); ``info`` is the context policies see."""
         t = self.owner.table
         index = self.index
         now = index.now
         for pos in range(len(slots) - 1, -1, -1):
             s = slots[pos]
             self.ref[s] -= 1
-            t.last_ns[s] = now
+            t.release(s, now)
             if self.ref[s] > 0:
                 continue
             if self.key_of[s] == -1:
                 self.uncached_free.append(s)
                 continue
-            if next_use is not None:
-                self.policy.next_use[s] = next_use(s, pos)  # type: ignore[attr-defined]
-            key = index.add(s)
+            key = index.add(s, info)
             t.score[s] = self.policy.retain_score(key, now)
             t.protected[s] = self.policy.is_protected(t, s, key, now)
-        if info is not None:
-            self.policy.on_request_freed()
 
 
 def simulate(
@@ -386,30 +324,21 @@ def simulate(
     if TRACE_BLOCK_TOKENS % block_size:
         raise ValueError(f"block_size must divide {TRACE_BLOCK_TOKENS}")
     keys_all = [block_keys(r, block_size) for r in trace]
-    optimal = policy == "optimal"
-    if optimal:
-        pol: EvictionPolicy = OptimalPolicy(num_blocks)
-    elif isinstance(policy, EvictionPolicy):
+    if isinstance(policy, EvictionPolicy):
         pol = policy
     else:
-        pol = make_policy(policy, settings)
+        pol = make_policy(policy, settings, oracle=occurrences_of(keys_all) if policy == "optimal" else None)
     gate = AnchorAdmissionGate(anchor_blocks) if anchor_blocks > 0 else None
     cache = OfflineCache(num_blocks, pol, block_size, gate)
-    nexts = next_uses(keys_all) if optimal else None
     window: list[tuple[int, list[int]]] = []
-    never = OptimalPolicy.NEVER
 
     def finish_oldest() -> None:
         i, slots = window.pop(0)
-        fn = None
-        if nexts is not None:
-            nu = nexts[i]
-            fn = lambda s, pos: nu[pos] if pos < len(nu) else never  # noqa: E731
-        cache.finish(slots, RequestInfo(f"r{i}"), fn)
+        cache.finish(slots, RequestInfo(f"r{i}", position=i))
 
     for i, req in enumerate(trace):
         out = req.output_length if max_output_tokens is None else min(max(1, req.output_length), max_output_tokens)
-        slots, _ = cache.admit(f"r{i}", keys_all[i], req.input_length, out, RequestInfo(f"r{i}"))
+        slots, _ = cache.admit(f"r{i}", keys_all[i], req.input_length, out, RequestInfo(f"r{i}", position=i))
         window.append((i, slots))
         while len(window) >= concurrency:
             finish_oldest()

@@ -3,7 +3,7 @@
 Real mode (default): the trace becomes token prompts (:func:`kvfabric.sim.workload.iter_trace_workload`), vLLM's
 own ``Scheduler``/``KVCacheManager``/``BlockPool`` run them with a simulated model (:mod:`kvfabric.sim.harness`),
 and the kvfabric hook records every block's life. The numbers printed are counted from the hook's own events,
-in-process (the replay drains the tracker's buffer itself), so they are exactly what a collector would store;
+in-process (the replay expands the hook's records itself), so they are exactly what a collector would store;
 ``--collector SOCKET`` also streams those events to a running collector.
 
 ``--policy optimal`` runs Belady's MIN inside vLLM: a policy that knows, for every block hash, the next trace row
@@ -20,7 +20,6 @@ reused; one token keeps them out of the picture).
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import json
 import os
@@ -29,13 +28,15 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from kvfabric import schema as S
-from kvfabric.policies import POLICY_NAMES
-from kvfabric.policies.base import BlockStats, EvictionPolicy, PolicySettings, RequestInfo
+from kvfabric.hook.hints import request_info
+from kvfabric.policies import ALL_POLICIES, make_policy
+from kvfabric.policies.base import EvictionPolicy, RequestInfo
+from kvfabric.policies.optimal import occurrences_of
 
-REPLAY_POLICIES: tuple[str, ...] = (*POLICY_NAMES, "optimal")
+REPLAY_POLICIES: tuple[str, ...] = ALL_POLICIES
 
 
 # --------------------------------------------------------------------------------------------- event counting
@@ -86,42 +87,7 @@ class EventCounts:
                 self.admission_limited_blocks += row[count_i] or 0
 
 
-# --------------------------------------------------------------------------------------------- the optimum in vLLM
-
-
-class OracleOptimalPolicy(EvictionPolicy):
-    """Belady's MIN inside vLLM: knows the trace rows that will use each block digest.
-
-    ``occurrences[digest]`` is the sorted list of trace rows whose prompt holds that block. The oracle's "now" is
-    the next row not yet admitted (requests are admitted in trace order); a block becoming a candidate gets key
-    ``-(next row that needs it) * 2**20 - depth``, so the farthest next use goes first, deeper first on ties.
-    A parent's next use is never later than its child's, so the order is prefix-closed.
-    """
-
-    name: ClassVar[str] = "optimal"
-    structure: ClassVar[str] = "heap"
-    NEVER: ClassVar[int] = 1 << 40
-
-    def __init__(self, occurrences: dict[int, list[int]]) -> None:
-        super().__init__(PolicySettings())
-        self.occurrences = occurrences
-        self.cursor = 0  # rows [0, cursor) have been admitted
-
-    def key(self, t: BlockStats, b: int, now: int) -> float:
-        h = t.hash[b]
-        rows = self.occurrences.get(h) if h is not None else None
-        nxt = self.NEVER
-        if rows:
-            j = bisect.bisect_left(rows, self.cursor)
-            if j < len(rows):
-                nxt = rows[j]
-        return -float(nxt * (1 << 20) + (t.depth[b] or 0))
-
-    def on_request_started(self, info: RequestInfo, hit_blocks: int, num_blocks: int, missed: Any = (),
-                           digests: Any = None) -> None:
-        row = _trace_row(info.request_id)
-        if row is not None and row + 1 > self.cursor:
-            self.cursor = row + 1
+# --------------------------------------------------------------------------------------------- real mode
 
 
 def _trace_row(request_id: str) -> int | None:
@@ -129,7 +95,11 @@ def _trace_row(request_id: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
-# --------------------------------------------------------------------------------------------- real mode
+def _trace_info(request: Any) -> RequestInfo:
+    """A trace request's context for policies: its hints, plus its row in the trace (the optimum's clock)."""
+    info = request_info(request)
+    return RequestInfo(info.request_id, info.family, info.session, info.session_end,
+                       _trace_row(info.request_id))
 
 
 @contextlib.contextmanager
@@ -160,13 +130,11 @@ def replay_real(
     latency: str = "qwen",
     run_id: str | None = None,
     progress: bool = True,
+    policy_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Replay ``trace`` through vLLM's real scheduler; returns the JSON object ``kvfabric replay`` prints."""
     from kvfabric.config import HookSettings
-    from kvfabric.hook import install as hook_install
-    from kvfabric.hook.buffer import EventBuffer
-    from kvfabric.hook.sinks import make_sink
-    from kvfabric.hook.steering import attach_steering
+    from kvfabric.hook.install import build_hook, engine_id
     from kvfabric.sim.harness import SimulatedEngine, build_scheduler, make_request
     from kvfabric.sim.workload import iter_trace_workload
 
@@ -179,8 +147,8 @@ def replay_real(
     max_model_len = -(-longest // block_size) * block_size
     run = run_id or f"replay-{policy}-{num_blocks}"
     settings = HookSettings(
-        # Rebuilt-from-eviction is detected against the tracker's memory of evicted hashes; a replay keeps all of
-        # them (a trace has at most a few million distinct blocks) so its wasted-prefill count is exact.
+        # Rebuilt-from-eviction is detected against the expander's memory of evicted hashes; a replay keeps all
+        # of them (a trace has at most a few million distinct blocks) so its wasted-prefill count is exact.
         evicted_memory=1 << 23,
         lifecycle=True,
         sink=f"unix://{collector}" if collector else "none",
@@ -189,6 +157,7 @@ def replay_real(
         admission_gate_explicit=admission_anchor_blocks > 0,
         cache_aware_scheduling=cache_aware_scheduling,
         run_id=run,
+        **(policy_settings or {}),
     )
     # Trace prompts reach ~120k tokens, past the bundled model's 32k positions; the model is simulated, so the
     # position limit means nothing here (vLLM asks for this variable to allow it).
@@ -201,66 +170,31 @@ def replay_real(
             max_num_batched_tokens=max(max_num_batched_tokens, block_size),
             max_model_len=max(max_model_len, block_size),
         )
-    manager = scheduler.kv_cache_manager
-    inst = hook_install.attach(
-        manager, settings, block_size=block_size, engine=hook_install.engine_id(scheduler), start_sink=False
-    )
-    if inst is None:
-        raise RuntimeError("the hook could not attach (prefix caching off?)")
-    tracker = inst.tracker
-    engine = SimulatedEngine(scheduler, latency, track_evictions=False)
     requests = [
         make_request(rid, prompt, mt, extra, block_size=block_size, arrival_time=arrival)
         for arrival, rid, prompt, mt, extra in items
     ]
-    oracle: OracleOptimalPolicy | None = None
+    oracle: EvictionPolicy | None = None
     if policy == "optimal":
-        occurrences: dict[int, list[int]] = {}
+        chains = []
         for req in requests:
-            row = _trace_row(req.request_id)
-            assert row is not None
-            for h in req.block_hashes:
-                d = S.hash64(h)
-                assert d is not None
-                rows = occurrences.setdefault(d, [])
-                if not rows or rows[-1] != row:
-                    rows.append(row)
-        oracle = OracleOptimalPolicy(occurrences)
-    if settings.steers or oracle is not None:
-        attach_steering(scheduler, manager.block_pool, tracker, settings, policy=oracle, manager=manager)
+            assert _trace_row(req.request_id) == len(chains)
+            chains.append([S.hash64(h) for h in req.block_hashes])
+        oracle = make_policy("optimal", oracle=occurrences_of(chains))  # type: ignore[arg-type]
+    inst = build_hook(scheduler.kv_cache_manager, settings, scheduler=scheduler, block_size=block_size,
+                      engine=engine_id(scheduler), policy=oracle, outlet="tee" if collector else "local",
+                      info_of=_trace_info)
+    if inst is None:
+        raise RuntimeError("the hook could not attach (prefix caching off?)")
+    engine = SimulatedEngine(scheduler, latency, track_evictions=False)
     for req, item in zip(requests, items, strict=True):
         engine.add_request(req, item[0])
     del items
 
     # Simulated time on the events: the trace's clock, anchored at the wall clock when the replay started.
     t0 = time.time_ns()
-    tracker.clock = lambda: t0 + int(engine.clock_s * 1e9)
+    inst.recorder.clock = lambda: t0 + int(engine.clock_s * 1e9)
     counts = EventCounts()
-    forward = None
-    forward_buffer = None
-    if collector:
-        forward_buffer = EventBuffer(settings.buffer_events, settings.batch_events)
-        metadata = {
-            S.META_SCHEMA_VERSION: str(S.SCHEMA_VERSION),
-            S.META_ENGINE: tracker.engine,
-            S.META_RUN_ID: run,
-            S.META_VLLM_VERSION: hook_install._vllm_version(),
-            S.META_BLOCK_SIZE: str(block_size),
-            S.META_NUM_BLOCKS: str(num_blocks),
-            S.META_POLICY: policy,
-            S.META_SETTINGS: json.dumps(settings.as_metadata()),
-        }
-        forward = make_sink(settings.sink, forward_buffer, metadata, tracker.dropped_row, settings.batch_events,
-                            settings.flush_ms)
-        forward.start()
-
-    def drain() -> None:
-        rows = tracker.buffer.drain()
-        if rows:
-            counts.add(rows)
-            if forward_buffer is not None:
-                for row in rows:
-                    forward_buffer.append(row)
 
     bar = None
     if progress:
@@ -274,20 +208,16 @@ def replay_real(
     del requests
     wall0 = time.perf_counter()
     while engine.has_unfinished():
-        tracker.step += 1
         result = engine.step()
-        drain()
+        counts.add(inst.drain())
         if bar is not None and result.finished:
             bar.update(len(result.finished))
     wall = time.perf_counter() - wall0
-    drain()
+    counts.add(inst.drain())
     if bar is not None:
         bar.close()
-    lost = tracker.buffer.dropped
-    if forward is not None:
-        forward.close()
-        lost += forward.lost_events
-    steering = getattr(manager.block_pool, "_kvfabric_steering", None)
+    inst.close()
+    steering = inst.steering
     summary = engine.summary()
     bs = block_size
     out: dict[str, Any] = {
@@ -309,8 +239,8 @@ def replay_real(
         "wasted_prefill_tokens": counts.rebuilt_from_eviction_blocks * bs,
         "regretful_evictions": counts.regretful_evictions,
         "admission_limited_blocks": counts.admission_limited_blocks,
-        "events_emitted": tracker.buffer.total,
-        "events_dropped": lost,
+        "events_emitted": sum(counts.by_event.values()),
+        "events_dropped": inst.outlet.lost_events,
         "events_by_type": dict(sorted(counts.by_event.items())),
         "concurrency": concurrency,
         "max_output_tokens": max_output_tokens,
@@ -325,7 +255,7 @@ def replay_real(
         "ttft_p99_s": summary["ttft_p99_s"],
         "scheduler_wall_s": summary["wall_s"],
         "replay_wall_s": wall,
-        "hook_errors": tracker.errors,
+        "hook_errors": inst.recorder.errors,
     }
     if steering is not None:
         out["steering"] = {
