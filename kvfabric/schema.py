@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Event types (docs/design.md §4). Strings, not an enum, because they are stored and queried as text.
 PREFIX_LOOKUP = "prefix_lookup"
@@ -30,6 +30,14 @@ BLOCK_EVICTED = "block_evicted"
 BLOCK_REBUILT = "block_rebuilt"
 CACHE_RESET = "cache_reset"
 SINK_DROPPED = "sink_dropped"
+
+# Why a block_evicted row's block lost its content (docs/design.md §4). ``pressure``: get_new_blocks reused it for a
+# new allocation; ``connector``: a KV connector evicted it through evict_blocks; ``reset``: a prefix-cache reset
+# dropped it (one row per cached block, before ``cache_reset``). Null means the emitter did not know.
+EVICT_PRESSURE = "pressure"
+EVICT_CONNECTOR = "connector"
+EVICT_RESET = "reset"
+EVICTION_REASONS: tuple[str, ...] = (EVICT_PRESSURE, EVICT_CONNECTOR, EVICT_RESET)
 
 EVENT_TYPES: tuple[str, ...] = (
     PREFIX_LOOKUP,
@@ -71,6 +79,7 @@ _FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("count", pa.int64(), "sink_dropped: events lost; cache_admission_limited: blocks not cached; "
                           "eviction_candidates_ranked: candidates considered; prefix_lookup: regretful evictions"),
     ("age_ns", pa.int64(), "block_rebuilt: ns since its eviction; block_evicted: ns since its last use"),
+    ("reason", pa.string(), "block_evicted: why the block lost its content: pressure, connector or reset"),
 )
 
 EMIT_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _FIELDS)

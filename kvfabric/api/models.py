@@ -108,6 +108,7 @@ class EventRow(BaseModel):
     protected: bool | None
     policy: str | None
     age_ns: int | None
+    reason: str | None = Field(None, description="block_evicted: pressure, connector or reset (docs/design.md §4)")
 
 
 class EvictionPage(BaseModel):

@@ -211,11 +211,13 @@ class LifecycleTracker:
                 self.policy_name,
                 count,
                 age_ns,
+                None,
             )
         )
 
     def _emit_block(
-        self, event: str, b: int, ref_count: int, request_id: str | None, ts: int, age_ns: int | None = None
+        self, event: str, b: int, ref_count: int, request_id: str | None, ts: int, age_ns: int | None = None,
+        reason: str | None = None,
     ) -> None:
         """One block event, built positionally: this runs once per block operation, so no keyword plumbing."""
         if not self.recording:
@@ -224,7 +226,7 @@ class LifecycleTracker:
         self.buffer.append(
             (ts, self.step, self.engine, self.run_id, event, request_id, b, t.hash[b], t.parent[b], t.family[b],
              t.depth[b], ref_count, t.hits[b], t.share[b], t.branch[b], None, None, t.score[b], t.protected[b],
-             self.policy_name, None, age_ns)
+             self.policy_name, None, age_ns, reason)
         )
 
     def _request_id(self) -> str | None:
@@ -290,22 +292,22 @@ class LifecycleTracker:
         last_ns = t.last_ns
         hashes = t.hash
         head = (now, self.step, self.engine, self.run_id, S.BLOCK_ALLOCATED, rid)
-        tail = (None,) * 7 + (self.policy_name, None, None)
+        tail = (None,) * 7 + (self.policy_name, None, None, None)
         append = self.buffer.append if self.recording else None
         for blk in blocks:
             b = blk.block_id
             if hashes[b] is not None:
-                self._evicted(b, rid, now)
+                self._evicted(b, rid, now, S.EVICT_PRESSURE)
             last_ns[b] = now
             if append is not None:
                 # A fresh block has no identity yet: only its id and ref count are known.
                 append((*head, b, None, None, None, None, blk.ref_cnt, *tail))
 
-    def _evicted(self, b: int, rid: str | None, now: int) -> None:
+    def _evicted(self, b: int, rid: str | None, now: int, reason: str) -> None:
         """Block ``b`` lost its cached content: emit ``block_evicted``, remember the digest, reset the entry."""
         t = self.table
         h = t.hash[b]
-        self._emit_block(S.BLOCK_EVICTED, b, 0, rid, now, now - t.last_ns[b])
+        self._emit_block(S.BLOCK_EVICTED, b, 0, rid, now, now - t.last_ns[b], reason)
         evicted = self.evicted
         evicted[h] = [now, t.family[b], t.depth[b], False]
         evicted.move_to_end(h)
@@ -321,7 +323,7 @@ class LifecycleTracker:
         b = blk.block_id
         if self.table.hash[b] is None:  # cached by a path we do not see: recover the digest
             self.table.hash[b] = S.hash64(blk.block_hash)
-        self._evicted(b, self._request_id(), self.clock())
+        self._evicted(b, self._request_id(), self.clock(), S.EVICT_CONNECTOR)
 
     def on_touched(self, blocks: Iterable[Any]) -> None:
         now = self.clock()
@@ -441,4 +443,4 @@ class LifecycleTracker:
         """A ``sink_dropped`` row for ``count`` lost events, built for the sink thread to send directly (it must
         not go through the buffer, which may be the very thing that is full)."""
         return (self.clock(), self.step, self.engine, self.run_id, S.SINK_DROPPED, *([None] * 14),
-                self.policy_name, count, None)
+                self.policy_name, count, None, None)
