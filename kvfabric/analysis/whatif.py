@@ -29,7 +29,7 @@ from kvfabric.queries import BadParameter, QueryRunner
 
 TOLERANCE = 0.02
 """Stated bound on |replayed - actual| prefix hit rate under the run's own policy and capacity (absolute, as a
-fraction of prompt tokens). Measured on the demo run: see README "Why was it recomputed"."""
+fraction of prompt tokens). Measured on the demo run: -0.0056 (benchmarks/results/demo_misses_whatif.md)."""
 
 OPTIMAL = "optimal"
 MAX_REST_ADMISSIONS = 100_000
