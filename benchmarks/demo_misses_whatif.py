@@ -223,7 +223,7 @@ def write_markdown(args: argparse.Namespace, r: dict[str, Any], elapsed: float) 
         "| capacity (blocks) | " + " | ".join(sorted({x["policy"] for x in r["sweep"]} - {"optimal"})) + " | optimal |",
         "|---:|" + "---:|" * (len({x["policy"] for x in r["sweep"]})),
     ]
-    policies = sorted({x["policy"] for x in r["sweep"]} - {"optimal"}) + ["optimal"]
+    policies = [*sorted({x["policy"] for x in r["sweep"]} - {"optimal"}), "optimal"]
     for blocks in CAPACITIES:
         row = {x["policy"]: x["hit_rate"] for x in r["sweep"] if x["num_blocks"] == blocks}
         lines.append(f"| {blocks} | " + " | ".join(f"{100 * row[p]:.2f} %" for p in policies) + " |")
