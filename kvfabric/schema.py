@@ -31,11 +31,13 @@ BLOCK_REBUILT = "block_rebuilt"
 CACHE_RESET = "cache_reset"
 SINK_DROPPED = "sink_dropped"
 
-# Why a block_evicted happened (docs/design.md §4): a bounded set, so it can be a metric label.
-REASON_PRESSURE = "pressure"  # get_new_blocks reused it for a new allocation
-REASON_CONNECTOR = "connector"  # evict_blocks (KV connectors)
-REASON_RESET = "reset"  # reset_prefix_cache dropped every cached block
-EVICTION_REASONS: tuple[str, ...] = (REASON_PRESSURE, REASON_CONNECTOR, REASON_RESET)
+# Why a block_evicted row's block lost its content (docs/design.md §4). ``pressure``: get_new_blocks reused it for a
+# new allocation; ``connector``: a KV connector evicted it through evict_blocks; ``reset``: a prefix-cache reset
+# dropped it (one row per cached block, before ``cache_reset``). Null means the emitter did not know.
+EVICT_PRESSURE = "pressure"
+EVICT_CONNECTOR = "connector"
+EVICT_RESET = "reset"
+EVICTION_REASONS: tuple[str, ...] = (EVICT_PRESSURE, EVICT_CONNECTOR, EVICT_RESET)
 
 EVENT_TYPES: tuple[str, ...] = (
     PREFIX_LOOKUP,

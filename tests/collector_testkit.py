@@ -302,3 +302,110 @@ def scrape(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
     """One sample's value, 0 when absent (a labelled counter that never moved has no sample)."""
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+# ------------------------------------------------------------------------------- hook-shaped event scripts
+
+
+class EventScript:
+    """Rows of one engine's stream written the way the hook emits them, for workloads whose miss attribution is
+    known by hand (tests/test_misses.py, tests/test_whatif.py, tests/test_export_mooncake.py).
+
+    Every call appends rows at the current step, 1 µs apart; :meth:`step` starts the next scheduler step and
+    :meth:`at` moves the clock to ``T0 + seconds``. :meth:`admit` writes one admission as ``allocate_slots``
+    produces it: touches of the hit blocks, allocations, seals of the blocks it computes now, then the
+    ``prefix_lookup`` row (its ``depth`` = full prompt blocks, the length of ``chain`` given).
+    """
+
+    def __init__(self, run_id: str, engine: str, *, block_size: int = 4, policy: str = "lru") -> None:
+        self.run_id = run_id
+        self.engine = engine
+        self.block_size = block_size
+        self.policy = policy
+        self.rows: list[dict[str, Any]] = []
+        self.t = T0
+        self.current_step = 1
+
+    def _add(self, **kw: Any) -> None:
+        self.t += 1000
+        self.rows.append({"run_id": self.run_id, "engine": self.engine, "policy": self.policy, "ts_ns": self.t,
+                          "step": self.current_step, **kw})
+
+    def step(self, n: int = 1) -> EventScript:
+        self.current_step += n
+        return self
+
+    def at(self, seconds: float) -> EventScript:
+        self.t = max(self.t, T0 + int(seconds * NS))
+        return self
+
+    def admit(self, rid: str, family: str | None, prompt_tokens: int, chain: list[int], *, hit_blocks: int = 0,
+              seal: Iterable[int] | None = None, allocate: int | None = None, limited: int = 0,
+              hit_tokens: int | None = None) -> None:
+        """``chain``: the request's block hashes by depth; ``hit_blocks``: how many leading ones hit; ``seal``:
+        the depths it computes and caches in this step (default: every full block past the hit)."""
+        for d in range(hit_blocks):
+            self._add(event="block_touched", request_id=rid, block_hash=chain[d], depth=d, family=family,
+                      ref_count=1, hit_count=1)
+        depths = list(range(hit_blocks, len(chain))) if seal is None else list(seal)
+        for _ in range(len(depths) if allocate is None else allocate):
+            self._add(event="block_allocated", request_id=rid, ref_count=1)
+        for d in depths:
+            self._add(event="block_sealed", request_id=rid, block_hash=chain[d], depth=d, family=family,
+                      ref_count=1, hit_count=0, share_degree=1)
+        if limited:
+            self._add(event="cache_admission_limited", request_id=rid, family=family, count=limited)
+        hit = hit_blocks * self.block_size if hit_tokens is None else hit_tokens
+        self._add(event="prefix_lookup", request_id=rid, family=family, prompt_tokens=prompt_tokens, hit_tokens=hit,
+                  depth=len(chain), count=0)
+
+    def seal(self, rid: str, family: str | None, chain: list[int], depths: Iterable[int]) -> None:
+        """A later chunk (or decode) of ``rid`` seals ``depths``."""
+        for d in depths:
+            self._add(event="block_allocated", request_id=rid, ref_count=1)
+            self._add(event="block_sealed", request_id=rid, block_hash=chain[d], depth=d, family=family,
+                      ref_count=1, hit_count=0, share_degree=1)
+
+    def free(self, rid: str, chain: list[int], depths: Iterable[int]) -> None:
+        """``KVCacheManager.free(rid)``: its blocks, tail first."""
+        for d in sorted(depths, reverse=True):
+            self._add(event="block_freed", request_id=rid, block_hash=chain[d], depth=d, ref_count=0)
+
+    def evict(self, block_hash: int, reason: str | None, *, by: str | None = None, family: str | None = None,
+              depth: int | None = None, share_degree: int = 1) -> None:
+        self._add(event="block_evicted", request_id=by, block_hash=block_hash, family=family, depth=depth,
+                  ref_count=0, share_degree=share_degree, age_ns=NS, reason=reason)
+
+    def reset(self, cached: Iterable[int]) -> None:
+        """A prefix-cache reset: one ``block_evicted`` (reason reset) per cached block, then ``cache_reset``."""
+        for h in cached:
+            self.evict(h, "reset")
+        self._add(event="cache_reset")
+
+    def stream(self, stream_id: str, *, num_blocks: int = 1000, batch_rows: int = 7) -> GoldenStream:
+        return GoldenStream(
+            meta(stream_id, self.run_id, self.engine, block_size=self.block_size, num_blocks=num_blocks,
+                 policy=self.policy),
+            self.rows, batch_rows,
+        )
+
+
+def send_scripts(socket_path: str, streams: Iterable[GoldenStream]) -> int:
+    """Send each stream on its own connection; returns the rows sent."""
+    total = 0
+    for g in streams:
+        send_stream(socket_path, g.meta, g.batches())
+        total += len(g.rows)
+    return total
+
+
+def wait_rows(http_url: str, run_id: str, rows: int, timeout: float = 20.0) -> None:
+    """Until the collector has committed ``rows`` rows of ``run_id``."""
+    import httpx
+
+    def have() -> bool:
+        runs = httpx.get(http_url + "/api/v1/runs", timeout=5).json()
+        items = runs["items"] if isinstance(runs, dict) else runs
+        return any(r["run_id"] == run_id and r["events"] >= rows for r in items)
+
+    wait_until(have, timeout, what=f"{rows} rows of {run_id} committed")

@@ -115,7 +115,7 @@ def test_vllm_prefill_expectations_hold_with_hook_and_events_are_exact() -> None
     assert [e["depth"] for e in evicted] == [2, 1, 0]
     assert all(e["share_degree"] == 3 and e["hit_count"] == 2 for e in evicted)
     assert all(e["request_id"] == "3" for e in evicted)
-    assert all(e["reason"] == S.REASON_PRESSURE and e["ref_count"] == 0 for e in evicted)
+    assert all(e["reason"] == S.EVICT_PRESSURE and e["ref_count"] == 0 for e in evicted)
     sealed = {e["block_id"]: e for e in ev if e["event"] == S.BLOCK_SEALED and e["request_id"] == "0"}
     assert [e["block_hash"] for e in evicted] == [sealed[b]["block_hash"] for b in (3, 2, 1)]
     assert sealed[2]["parent_hash"] == sealed[1]["block_hash"] and sealed[1]["parent_hash"] is None
@@ -179,7 +179,7 @@ def test_reset_prefix_cache_drops_every_cached_block_with_its_reason() -> None:
     assert [e["event"] for e in ev][-1] == S.CACHE_RESET
     dropped = [e for e in ev if e["event"] == S.BLOCK_EVICTED]
     assert sorted(e["block_id"] for e in dropped) == [1, 2]  # the two full blocks of x were cached
-    assert {e["reason"] for e in dropped} == {S.REASON_RESET}
+    assert {e["reason"] for e in dropped} == {S.EVICT_RESET}
     again = make_request("y", [1] * 40)  # the same prefix, computed again after the reset: rebuilt
     admit(manager, again, 40)
     rebuilt = [e for e in events(inst) if e["event"] == S.BLOCK_REBUILT]
@@ -194,5 +194,5 @@ def test_connector_eviction_keeps_the_ref_count_and_says_why() -> None:
     manager.evict_blocks({1, 2, 7})  # block 7 is not cached: vLLM skips it, so do we
     ev = [e for e in events(inst) if e["event"] == S.BLOCK_EVICTED]
     assert [(e["block_id"], e["reason"], e["ref_count"]) for e in ev] == [
-        (1, S.REASON_CONNECTOR, 1), (2, S.REASON_CONNECTOR, 1)]
+        (1, S.EVICT_CONNECTOR, 1), (2, S.EVICT_CONNECTOR, 1)]
     assert manager.block_pool.blocks[1].block_hash is None  # vLLM did evict them

@@ -41,7 +41,7 @@ def test_nullability_flags_of_the_sender_do_not_matter() -> None:
 @pytest.mark.parametrize(
     ("schema", "reason"),
     [
-        (S.stream_schema(meta("s", "r", "e", version=2)), SCHEMA_VERSION),
+        (S.stream_schema(meta("s", "r", "e", version=S.SCHEMA_VERSION + 1)), SCHEMA_VERSION),
         (S.stream_schema(meta("s", "r", "e", version="one")), SCHEMA_VERSION),
         (S.EVENT_SCHEMA, SCHEMA_MISMATCH),  # no metadata at all
         (S.EVENT_SCHEMA.remove(3).with_metadata(meta("s", "r", "e")), SCHEMA_MISMATCH),

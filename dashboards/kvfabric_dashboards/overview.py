@@ -46,6 +46,9 @@ RANGE = "$__range"
 FAMILIES_URL = "${collector_url}/api/v1/families?run=${run}"
 SUMMARY_URL = "${collector_url}/api/v1/runs/${run}/summary"
 EVICTIONS_URL = "${collector_url}/api/v1/evictions?run=${run}"
+MISSES_URL = "${collector_url}/api/v1/runs/${run}/misses?bucket_s=60"
+WHATIF_URL = "${collector_url}/api/v1/runs/${run}/whatif"
+WHATIF_AGING_URL = "${collector_url}/api/v1/runs/${run}/whatif?policy=adaptive_aging"
 
 
 def kv(metric: str, extra: str = "") -> str:
@@ -111,6 +114,35 @@ DEF_FAMILY = (
     "numbers are on the collector's REST API."
 )
 
+DEF_EVICTION_REASON = (
+    "Why an evicted block lost its content (block_evicted.reason, docs/design.md §4): pressure = vLLM reused it for "
+    "a new allocation (the cache is too small for the working set), connector = a KV connector evicted it "
+    "(evict_blocks), reset = a prefix-cache reset dropped it, unknown = the hook did not say."
+)
+DEF_MISSES = (
+    "Miss attribution (docs/design.md §5): every admission's prompt tokens split into hit, evicted (the engine had "
+    "cached the block and lost it: a cost of the policy or the capacity), novel (never cached by this engine) and "
+    "uncacheable (the block of the last prompt token, gate-refused or never computed blocks). It needs the run's "
+    "whole history, so it is computed by the collector on demand, not exported as metrics."
+)
+
+MISSES_TEXT = f"""\
+**Why were prompt tokens recomputed?** The collector splits every admission's prompt tokens into *hit*, *evicted*
+(cached before, then lost: the policy's or the capacity's cost), *novel* (never seen by this engine) and
+*uncacheable* (last-token block, gate, never computed), by family and time window:
+
+* [Misses of run `${{run}}` by family and minute]({MISSES_URL}) (select one run above)
+* One request's story: `${{collector_url}}/api/v1/requests/<request id>?run=${{run}}`
+
+**What if** another policy or more KV memory had served the same traffic? The recorded run replayed offline, with
+the optimum beside it:
+
+* [Replay of `${{run}}` as it ran, and the optimum]({WHATIF_URL})
+* [The same traffic under adaptive_aging]({WHATIF_AGING_URL}) (add `&num_blocks=N` for another capacity)
+
+CLI: `kvfabric query misses --run R`, `kvfabric whatif --run R --policy P --num-blocks N`.
+"""
+
 FAMILIES_TEXT = f"""\
 **Prefix families** are requests that share their leading full blocks: one per system prompt, template,
 conversation or document (docs/design.md §5). There can be millions, so they are **never Prometheus labels**: the
@@ -162,6 +194,7 @@ def build_overview() -> Dashboard:
         .link(dashboard_link("KVFabric dashboards", "kvfabric"))
         .link(url_link("Families (REST)", FAMILIES_URL, "Per-family evictions, rebuilt and wasted prefill"))
         .link(url_link("Run summary (REST)", SUMMARY_URL, "The run summary the CLI and reports use"))
+        .link(url_link("Misses (REST)", MISSES_URL, "Prompt tokens split into hit / evicted / novel / uncacheable"))
     )
 
     # ---- at a glance -------------------------------------------------------------------------------------------
@@ -313,6 +346,16 @@ def build_overview() -> Dashboard:
         ],
         unit="suffix: evictions/s", right_axis_ref="B", right_axis_unit="percentunit",
     ))
+
+    # ---- why tokens were recomputed ----------------------------------------------------------------------------
+    d = d.with_row(row(ids, "Why tokens were recomputed: eviction causes, misses, what-if"))
+    d = d.with_panel(timeseries_panel(
+        ids, "Evicted blocks by reason", DEF_EVICTION_REASON,
+        [Target(total(kv("kvfabric_evicted_blocks_by_reason_total"), RATE, by="reason"), "{{reason}}")],
+        unit="suffix: blocks/s", width=12, height=10, stacked=True,
+        links=[("Misses of the selected run (REST)", MISSES_URL)],
+    ))
+    d = d.with_panel(markdown_panel(ids, "Misses and what-if", DEF_MISSES, MISSES_TEXT, width=12, height=10))
 
     # ---- latency and preemptions (vLLM) ------------------------------------------------------------------------
     d = d.with_row(row(ids, "Latency and preemptions (vLLM's own metrics)"))

@@ -55,6 +55,16 @@ class RunSummary(BaseModel):
     first_ts_ns: int | None
     last_ts_ns: int | None
     events_by_type: dict[str, int]
+    evicted_tokens: int = Field(0, description="prompt tokens in blocks the engine had cached and lost (§5)")
+    novel_tokens: int = Field(0, description="prompt tokens in blocks the engine had never cached (§5)")
+    uncacheable_tokens: int = Field(0, description="last-token blocks, gate-refused or never computed blocks (§5)")
+    hit_tokens_past_prompt: int = Field(
+        0, description="hits of resumed requests beyond their prompt: prefix_hit_tokens - hit_tokens_past_prompt "
+                       "+ evicted + novel + uncacheable = prompt_tokens"
+    )
+    evictions_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="evicted blocks by reason: pressure, connector, reset, unknown"
+    )
 
 
 class FamilyStats(BaseModel):
@@ -108,6 +118,7 @@ class EventRow(BaseModel):
     protected: bool | None
     policy: str | None
     age_ns: int | None
+    reason: str | None = Field(None, description="block_evicted: pressure, connector or reset (docs/design.md §4)")
 
 
 class EvictionPage(BaseModel):

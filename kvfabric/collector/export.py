@@ -1,4 +1,5 @@
 """Parquet export of a collector database: the hand-off to fleet-scale SQL engines (docs/design.md §1).
+(``--format mooncake`` writes one run's traffic as a replayable trace instead: :mod:`kvfabric.collector.mooncake`.)
 
 Layout (hive partitioning, so DuckDB, Spark, Trino and ClickHouse prune by run)::
 
@@ -65,15 +66,28 @@ def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = Fals
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """``kvfabric export --db PATH --out DIR``."""
+    """``kvfabric export --db PATH --out DIR`` (Parquet) or ``--format mooncake --run R --out FILE``."""
     parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file no collector holds (default: %(default)s)")
-    parser.add_argument("--out", required=True, help="output directory (its events/ and streams/ are replaced)")
-    parser.add_argument("--by-date", action="store_true", help="also partition events by UTC date")
+    parser.add_argument("--format", choices=("parquet", "mooncake"), default="parquet",
+                        help="parquet: every event, hive-partitioned (default); mooncake: one run's traffic as a "
+                             "hash_ids JSONL trace that `kvfabric replay` reads (no token ids, hashes renumbered)")
+    parser.add_argument("--out", required=True,
+                        help="parquet: output directory (its events/ and streams/ are replaced); mooncake: file")
+    parser.add_argument("--by-date", action="store_true", help="parquet: also partition events by UTC date")
+    parser.add_argument("--run", default=None, help="mooncake: the run to export (required)")
+    parser.add_argument("--engine", default=None, help="mooncake: only this engine's admissions (default: all)")
+    parser.add_argument("--block-tokens", type=int, default=512,
+                        help="mooncake: tokens per hash id, a multiple of the run's block size (default 512, the "
+                             "Mooncake traces' and `kvfabric replay`'s; the run's block size keeps sharing exact)")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvfabric.queries import DatabaseUnavailable
 
+    if args.format == "mooncake":
+        from kvfabric.collector.mooncake import run_mooncake_export
+
+        return run_mooncake_export(args)
     try:
         result = export_parquet(args.db, args.out, partition_by_date=args.by_date)
     except DatabaseUnavailable as exc:

@@ -32,11 +32,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-hash", dest="block_hash", type=int, default=None, help="digest (block_history)")
     parser.add_argument("--a", default=None, help="first run (compare)")
     parser.add_argument("--b", default=None, help="second run (compare)")
+    parser.add_argument("--request-id", dest="request_id", default=None, help="request id (request)")
+    parser.add_argument("--bucket-s", dest="bucket_s", type=float, default=None,
+                        help="time-window length in seconds (misses; default 60)")
     parser.add_argument("--limit", type=int, default=None, help="row limit")
     parser.add_argument("--format", choices=["json", "table"], default="table", help="output (default: table)")
 
 
+def _print_sections(result: dict[str, Any]) -> None:
+    """``misses`` and ``request`` answers: a few tables, each under a title."""
+    if "totals" in result:
+        print(f"run {result['run_id']}: {json.dumps(result['totals'])}")
+        print(f"evictions by reason: {json.dumps(result['evictions_by_reason'])}")
+        print("\nby family")
+        _print_table(result["items"])
+        print(f"\nby window of {result['bucket_s']:g} s")
+        _print_table(result["windows"])
+        return
+    for a in result["admissions"]:
+        print(f"{result['request_id']}  run {a['run_id']}  engine {a['engine']}  admission {a['admission']}  "
+              f"family {a['family']}  prompt {a['prompt_tokens']}  split {json.dumps(a['split'])}")
+        _print_table([{k: b[k] for k in ("depth", "tokens", "kind", "cause", "block_hash_hex", "rebuilt",
+                                         "last_evicted_ns", "evicted_reason", "evicted_by_request")}
+                      for b in a["blocks"]])
+        print()
+
+
 def _print_table(result: Any) -> None:
+    if isinstance(result, dict) and ("totals" in result or "admissions" in result):
+        _print_sections(result)
+        return
     rows = result.get("items", result) if isinstance(result, dict) else result
     if isinstance(rows, dict):
         width = max((len(str(k)) for k in rows), default=0)
@@ -58,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfabric.queries import BadParameter, DatabaseUnavailable, NotFound, UnknownRun
 
     params = {"run": args.run, "family": args.family, "engine": args.engine, "block_hash": args.block_hash,
-              "a": args.a, "b": args.b, "limit": args.limit}
+              "a": args.a, "b": args.b, "limit": args.limit, "request_id": args.request_id, "bucket_s": args.bucket_s}
     try:
         result = run_named_query(args.db, args.name, **params)
     except (BadParameter, DatabaseUnavailable, NotFound, UnknownRun, TypeError) as exc:

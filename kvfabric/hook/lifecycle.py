@@ -181,7 +181,7 @@ class Lifecycle:
         refs = self.refs
         for b in ids:
             if hashes[b] is not None:
-                self._evict(b, ts, step, rid, S.REASON_PRESSURE)
+                self._evict(b, ts, step, rid, S.EVICT_PRESSURE)
             last_use[b] = now
             refs[b] = 1
             self._allocated_row(ts, step, b, rid)
@@ -246,7 +246,7 @@ class Lifecycle:
             if t.hash[b] is None:  # cached by a path we did not see: recover the digest
                 t.hash[b] = hash64(raw)
             # A connector may evict a block still in use: its ref count stays (vLLM only drops the hash).
-            self._evict(b, ts, step, rid, S.REASON_CONNECTOR, self.refs[b])
+            self._evict(b, ts, step, rid, S.EVICT_CONNECTOR, self.refs[b])
 
     def _moved(self, rec: tuple) -> None:
         # The content (and its statistics) now lives in dst; src keeps being written and holds nothing cached.
@@ -265,7 +265,7 @@ class Lifecycle:
         recomputed, so it counts as rebuilt (wasted prefill) like any other."""
         _, ts, step = rec
         for b in self.table.cached():
-            self._evict(b, ts, step, None, S.REASON_RESET)
+            self._evict(b, ts, step, None, S.EVICT_RESET)
         self._row(ts, step, S.CACHE_RESET, count=self.num_blocks)
         self.table.clear()
 

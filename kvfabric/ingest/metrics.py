@@ -5,7 +5,8 @@ series), so ``/metrics`` exposes exactly the documented families.
 
 Analytics counters are advanced by the writer *after* the rows they describe committed, from one aggregate query
 over the inserted Arrow table (never per row in Python), so a counter never runs ahead of the database.
-Label cardinality is bounded: at most ``max_label_runs`` distinct ``run`` values, later runs share ``_other``.
+Label cardinality is bounded: at most ``max_label_runs`` distinct ``run`` values, later runs share ``_other``;
+``reason`` takes the values of :data:`EVICTION_REASON_LABELS` only (ingest refuses any other).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from kvfabric import schema as S
 from kvfabric.ingest.errors import BAD_STREAM_REASONS
 
 OTHER_RUNS = "_other"
+UNKNOWN_REASON = "unknown"
+EVICTION_REASON_LABELS: tuple[str, ...] = (*S.EVICTION_REASONS, UNKNOWN_REASON)
+"""Values of the ``reason`` label: the documented reasons, and ``unknown`` for rows that carry none."""
 DEFAULT_MAX_LABEL_RUNS = 64
 
 LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
@@ -45,6 +49,13 @@ class CommitAggregate:
     count_sum: int
     shared_anchor: int
     protected: int
+    evicted_by_reason: tuple[int, ...] = ()
+    """block_evicted rows per reason, in :data:`kvfabric.schema.EVICTION_REASONS` order (the rest: unknown)."""
+
+    @classmethod
+    def from_row(cls, row: tuple) -> CommitAggregate:
+        """The writer's aggregate row: the fields above in order, then one count per eviction reason."""
+        return cls(*row[:9], evicted_by_reason=tuple(int(v) for v in row[9:]))
 
 
 def max_label_runs_from_env() -> int:
@@ -76,6 +87,11 @@ class CollectorMetrics:
         self.evicted_blocks = Counter(
             "kvfabric_evicted_blocks_total", "Evicted blocks by kind (shared_anchor: share_degree >= 2)",
             [*re_, "kind"], registry=r,
+        )
+        self.evicted_by_reason = Counter(
+            "kvfabric_evicted_blocks_by_reason_total",
+            "Evicted blocks by why they lost their content (block_evicted.reason; unknown where not given)",
+            [*re_, "reason"], registry=r,
         )
         self.protected_evictions = Counter(
             "kvfabric_protected_evictions_total", "Evictions of blocks the policy marked protected", re_, registry=r
@@ -158,6 +174,8 @@ class CollectorMetrics:
             counter.labels(run, engine)
         for kind in ("shared_anchor", "private_tail"):
             self.evicted_blocks.labels(run, engine, kind)
+        for reason in EVICTION_REASON_LABELS:
+            self.evicted_by_reason.labels(run, engine, reason)
         for event in S.EVENT_TYPES:
             self.events.labels(run, engine, event)
         self.time_to_rebuild.labels(run, engine)
@@ -187,6 +205,11 @@ class CollectorMetrics:
                 self.evicted_blocks.labels(run, engine, "shared_anchor").inc(a.shared_anchor)
                 self.evicted_blocks.labels(run, engine, "private_tail").inc(a.rows - a.shared_anchor)
                 self.protected_evictions.labels(run, engine).inc(a.protected)
+                known = 0
+                for reason, n in zip(S.EVICTION_REASONS, a.evicted_by_reason, strict=False):
+                    self.evicted_by_reason.labels(run, engine, reason).inc(n)
+                    known += n
+                self.evicted_by_reason.labels(run, engine, UNKNOWN_REASON).inc(a.rows - known)
             elif a.event == S.BLOCK_REBUILT:
                 self.rebuilt_blocks.labels(run, engine).inc(a.rows)
                 self.wasted_prefill_tokens.labels(run, engine).inc(a.rows * block_size(a.run_id or "", engine))

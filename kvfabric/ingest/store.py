@@ -10,7 +10,8 @@ Tables (created if missing, never altered):
     writer in the same transaction as the events it accounts for, so after any crash or restart ``last_seq`` and
     ``rows`` describe exactly the committed events, and gap detection resumes from there.
 ``kvfabric_meta``
-    Key/value facts about the file (schema version), checked on open.
+    Key/value facts about the file (schema version), checked on open; an older file is upgraded in place by the
+    additive steps of :data:`MIGRATIONS` (columns appended, nothing rewritten), a newer or unknown one refused.
 """
 
 from __future__ import annotations
@@ -108,6 +109,41 @@ class IncompatibleDatabase(RuntimeError):
     """The file was written by a collector of another schema version."""
 
 
+# Additive upgrades of an older file, keyed by the version they upgrade *from* (to that version + 1). Columns are
+# only ever appended, so an upgraded ``events`` has exactly the column order a new file gets.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ('ALTER TABLE events ADD COLUMN IF NOT EXISTS "reason" VARCHAR',),  # schema 2: block_evicted.reason
+}
+
+
+def _migrate(con: duckdb.DuckDBPyConnection, path: str, found: str) -> None:
+    """Upgrade a file of schema version ``found`` to :data:`kvfabric.schema.SCHEMA_VERSION` in one transaction."""
+    try:
+        version = int(found)
+    except ValueError:
+        version = -1
+    steps = []
+    while 0 < version < S.SCHEMA_VERSION and version in MIGRATIONS:
+        steps.extend(MIGRATIONS[version])
+        version += 1
+    if version != S.SCHEMA_VERSION:
+        con.close()
+        raise IncompatibleDatabase(
+            f"{path} holds schema version {found}, this collector writes {S.SCHEMA_VERSION}; use a new file"
+        )
+    con.execute("BEGIN TRANSACTION")
+    try:
+        con.execute(events_ddl())  # a v1 file always has it; this keeps the ALTERs valid on any file
+        for statement in steps:
+            con.execute(statement)
+        con.execute("UPDATE kvfabric_meta SET value = ? WHERE key = 'schema_version'", [str(S.SCHEMA_VERSION)])
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        con.close()
+        raise
+
+
 def open_database(path: str) -> duckdb.DuckDBPyConnection:
     """Open (creating if needed) the collector's database read-write and ensure its tables.
 
@@ -122,10 +158,7 @@ def open_database(path: str) -> duckdb.DuckDBPyConnection:
     if row is None:
         con.execute("INSERT INTO kvfabric_meta VALUES ('schema_version', ?)", [str(S.SCHEMA_VERSION)])
     elif row[0] != str(S.SCHEMA_VERSION):
-        con.close()
-        raise IncompatibleDatabase(
-            f"{path} holds schema version {row[0]}, this collector writes {S.SCHEMA_VERSION}; use a new file"
-        )
+        _migrate(con, path, row[0])
     con.execute(events_ddl())
     con.execute(streams_ddl())
     return con

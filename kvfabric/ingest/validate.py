@@ -8,7 +8,8 @@ Invariants a batch that passes :func:`check_batch` guarantees to the writer:
     sender are dropped), so batches of different streams concatenate without casts;
   * every row's ``run_id`` and ``engine`` equal the stream metadata's (nulls are filled in with them);
   * ``seq``, ``ts_ns`` and ``event`` hold no nulls, ``seq`` is one non-negative value over the batch, and every
-    ``event`` is one of :data:`kvfabric.schema.EVENT_TYPES`: the INSERT into DuckDB's NOT NULL columns cannot fail.
+    ``event`` is one of :data:`kvfabric.schema.EVENT_TYPES`: the INSERT into DuckDB's NOT NULL columns cannot fail;
+  * every non-null ``reason`` is one of :data:`kvfabric.schema.EVICTION_REASONS` (it becomes a metric label).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MAX_META_VALUE_CHARS = 4096
 MAX_SETTINGS_CHARS = 65536
 
 _KNOWN_EVENTS = frozenset(S.EVENT_TYPES)
+_KNOWN_REASONS = frozenset(S.EVICTION_REASONS)
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,13 @@ def check_batch(
     if unknown:
         shown = sorted(str(u)[:40] for u in unknown)[:5]
         raise BadStream(SCHEMA_MISMATCH, f"unknown event types {shown}")
+    reason_col = batch.column(S.COLUMNS.index("reason"))
+    if reason_col.null_count < rows:
+        # Eviction reasons become a metric label: only the documented values may enter (bounded cardinality).
+        bad_reasons = set(pc.unique(reason_col).drop_null().to_pylist()) - _KNOWN_REASONS
+        if bad_reasons:
+            shown = sorted(str(u)[:40] for u in bad_reasons)[:5]
+            raise BadStream(SCHEMA_MISMATCH, f"unknown eviction reasons {shown} (known: {sorted(_KNOWN_REASONS)})")
     columns = batch.columns
     for name, want in (("run_id", meta.run_id), ("engine", meta.engine)):
         i = S.COLUMNS.index(name)

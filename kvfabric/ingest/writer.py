@@ -33,6 +33,11 @@ log = logging.getLogger("kvfabric.ingest.writer")
 
 _COLS = ", ".join(quote(c) for c in S.COLUMNS)
 _INSERT_SQL = f"INSERT INTO events ({_COLS}) SELECT {_COLS} FROM _kvf_ingest"
+# block_evicted rows per documented reason, in S.EVICTION_REASONS order (validation admits no other value).
+_REASON_COLS = "".join(
+    f",\n       count(*) FILTER (WHERE event = '{S.BLOCK_EVICTED}' AND reason = '{r}') AS evicted_{r}"
+    for r in S.EVICTION_REASONS
+)
 # Aggregates for the analytics counters, computed by DuckDB over the Arrow table just inserted.
 _AGG_SQL = f"""
 SELECT run_id, engine, event, count(*) AS n,
@@ -40,7 +45,7 @@ SELECT run_id, engine, event, count(*) AS n,
        coalesce(sum(hit_tokens), 0) AS hit_tokens,
        coalesce(sum("count"), 0) AS count_sum,
        count(*) FILTER (WHERE event = '{S.BLOCK_EVICTED}' AND share_degree >= 2) AS shared_anchor,
-       count(*) FILTER (WHERE event = '{S.BLOCK_EVICTED}' AND protected) AS protected
+       count(*) FILTER (WHERE event = '{S.BLOCK_EVICTED}' AND protected) AS protected{_REASON_COLS}
 FROM _kvf_ingest GROUP BY run_id, engine, event
 """
 # Rebuilt rows are a small share of events; their ages feed the time-to-rebuild histogram.
@@ -236,7 +241,7 @@ class EventWriter:
                 con.register("_kvf_ingest", table)
                 try:
                     con.execute(_INSERT_SQL)
-                    aggregates = [CommitAggregate(*row) for row in con.execute(_AGG_SQL).fetchall()]
+                    aggregates = [CommitAggregate.from_row(row) for row in con.execute(_AGG_SQL).fetchall()]
                     if any(a.event == S.BLOCK_REBUILT for a in aggregates):
                         rebuilt = con.execute(_REBUILT_SQL).fetchall()
                 finally:

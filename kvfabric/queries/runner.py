@@ -22,6 +22,7 @@ from typing import Any
 import duckdb
 
 from kvfabric.queries import catalog
+from kvfabric.queries import misses as M
 from kvfabric.queries.params import BadParameter, Cursor, parse_block_hash
 
 MAX_LIMIT = 10_000
@@ -46,6 +47,9 @@ SUMMARY_NUMBERS: tuple[str, ...] = (
     "admission_limited_blocks",
     "sink_dropped_events",
     "sequence_gaps",
+    "evicted_tokens",
+    "novel_tokens",
+    "uncacheable_tokens",
 )
 """Summary fields compared by :meth:`QueryRunner.compare` (delta = b - a)."""
 
@@ -95,6 +99,21 @@ def connect_read_only(db_path: str) -> duckdb.DuckDBPyConnection:
         raise
 
 
+def _refuse_older_file(con: duckdb.DuckDBPyConnection, error: Exception) -> None:
+    """A file of an older schema version lacks columns the queries read: say how to upgrade it, not "Binder Error"."""
+    from kvfabric import schema as S
+
+    try:
+        row = con.execute("SELECT value FROM kvfabric_meta WHERE key = 'schema_version'").fetchone()
+    except duckdb.Error:
+        return
+    if row is not None and row[0] != str(S.SCHEMA_VERSION):
+        raise DatabaseUnavailable(
+            f"the database holds schema version {row[0]} (this kvfabric reads {S.SCHEMA_VERSION}); open it once with "
+            f"`kvfabric collector --db FILE` to upgrade it in place"
+        ) from error
+
+
 class QueryRunner:
     """The named analytics (see module docstring). ``connect`` returns a fresh connection per call."""
 
@@ -131,6 +150,9 @@ class QueryRunner:
             return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
         except duckdb.InterruptException as e:
             raise QueryTimeout(f"query {name} took longer than {self._timeout_s:g} s") from e
+        except duckdb.BinderException as e:
+            _refuse_older_file(con, e)
+            raise
         finally:
             timer.cancel()
 
@@ -149,10 +171,17 @@ class QueryRunner:
             return bool(self._rows(con, "run_exists", run=run)[0]["found"])
 
     def run_summary(self, run: str) -> Row:
-        """The docs/design.md §5 summary of one run (fields: see sql/run_summary.sql)."""
+        """The docs/design.md §5 summary of one run (fields: see sql/run_summary.sql), with the run's miss split
+        and evictions by reason (:func:`kvfabric.queries.misses.summary_fields`)."""
         with self._connection() as con:
             self._require_run(con, run)
-            return self._rows(con, "run_summary", run=run)[0]
+            return self._summary(con, run)
+
+    def _summary(self, con: duckdb.DuckDBPyConnection, run: str) -> Row:
+        row = self._rows(con, "run_summary", run=run)[0]
+        split = self._rows(con, "misses", run=run, bucket_ns=M.ONE_WINDOW_NS, with_admissions=False)
+        row.update(M.summary_fields(split, self._rows(con, "eviction_reasons", run=run)))
+        return row
 
     def families(self, run: str | None = None, limit: int = 100) -> list[Row]:
         """Per (run, family) analytics, most wasted prefill first; every run when ``run`` is None."""
@@ -226,8 +255,8 @@ class QueryRunner:
         with self._connection() as con:
             self._require_run(con, a)
             self._require_run(con, b)
-            sa = self._rows(con, "run_summary", run=a)[0]
-            sb = self._rows(con, "run_summary", run=b)[0]
+            sa = self._summary(con, a)
+            sb = self._summary(con, b)
         delta = {k: (sb[k] or 0) - (sa[k] or 0) for k in SUMMARY_NUMBERS}
         return {"a": sa, "b": sb, "delta": delta}
 
@@ -236,6 +265,58 @@ class QueryRunner:
         with self._connection() as con:
             self._require_run(con, run)
             return self._rows(con, "rebuilt_exact", run=run)
+
+    def misses(self, run: str, bucket_s: float = M.DEFAULT_BUCKET_S) -> Row:
+        """Miss attribution of one run (docs/design.md §5): ``totals``, ``items`` (one per family, most evicted
+        tokens first), ``windows`` (``bucket_s`` seconds each from the run's first event) and
+        ``evictions_by_reason``. At most :data:`MAX_LIMIT` windows."""
+        bucket_ns = self._bucket_ns(bucket_s)
+        with self._connection() as con:
+            self._require_run(con, run)
+            span = self._rows(con, "run_span", run=run)[0]
+            if span["first_ts_ns"] is not None and (span["last_ts_ns"] - span["first_ts_ns"]) // bucket_ns >= MAX_LIMIT:
+                raise BadParameter(f"bucket_s={bucket_s:g} cuts run {run!r} into more than {MAX_LIMIT} windows")
+            rows = self._rows(con, "misses", run=run, bucket_ns=bucket_ns, with_admissions=False)
+            reasons = self._rows(con, "eviction_reasons", run=run)
+        return M.misses_response(run, bucket_s, rows, reasons)
+
+    def admission_misses(self, run: str, limit: int = MAX_LIMIT) -> list[Row]:
+        """The split of every admission of ``run`` (first ``limit``, in lookup order)."""
+        _limit(limit)
+        with self._connection() as con:
+            self._require_run(con, run)
+            rows = self._rows(con, "misses", run=run, bucket_ns=M.ONE_WINDOW_NS, with_admissions=True)
+        return M.admission_rows(rows)[:limit]
+
+    def request(self, request_id: str, run: str | None = None) -> Row:
+        """One request's story (docs/design.md §5): per admission, its lookup, split and every prompt block."""
+        if not request_id:
+            raise BadParameter("request_id must not be empty")
+        with self._connection() as con:
+            if run is not None:
+                self._require_run(con, run)
+            rows = self._rows(con, "request_story", request=request_id, run=run)
+        if not rows:
+            raise NotFound(f"request {request_id!r} has no admission" + (f" in run {run!r}" if run else ""))
+        return M.story_response(request_id, rows)
+
+    def admission_chains(self, run: str) -> list[Row]:
+        """The run's recorded traffic, one row per admission in lookup order (sql/admission_chains.sql)."""
+        with self._connection() as con:
+            self._require_run(con, run)
+            return self._rows(con, "admission_chains", run=run)
+
+    def run_engines(self, run: str) -> list[Row]:
+        """The engines of ``run`` with their declared block size, pool size, policy and settings."""
+        with self._connection() as con:
+            self._require_run(con, run)
+            return self._rows(con, "run_engines", run=run)
+
+    @staticmethod
+    def _bucket_ns(bucket_s: float) -> int:
+        if not M.MIN_BUCKET_S <= bucket_s <= 1e9:
+            raise BadParameter(f"bucket_s must be between {M.MIN_BUCKET_S:g} and 1e9 seconds, got {bucket_s:g}")
+        return round(bucket_s * 1e9)
 
     # -- dispatch by name (CLI) -----------------------------------------------------------------------------
     def run(self, name: str, **params: Any) -> Any:
@@ -265,4 +346,7 @@ QUERY_NAMES: tuple[str, ...] = (
     "compare",
     "top_waste_families",
     "rebuilt_exact",
+    "misses",
+    "admission_misses",
+    "request",
 )

@@ -69,9 +69,10 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     return rows
 
 
-def block_keys(req: TraceRequest, block_size: int) -> list[int]:
-    """Identities of the request's full cache blocks: ``hash_id * per + j`` (``per`` blocks per trace block)."""
-    per = TRACE_BLOCK_TOKENS // block_size
+def block_keys(req: TraceRequest, block_size: int, trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> list[int]:
+    """Identities of the request's full cache blocks: ``hash_id * per + j`` (``per`` blocks per trace block of
+    ``trace_block_tokens`` tokens; 512 in Mooncake traces, the block size itself for recorded runs)."""
+    per = trace_block_tokens // block_size
     n = req.input_length // block_size
     ids = req.hash_ids
     if per == 1:
@@ -315,19 +316,27 @@ def simulate(
     anchor_blocks: int = 0,
     settings: PolicySettings | None = None,
     progress: Iterable[Any] | None = None,
+    trace_block_tokens: int = TRACE_BLOCK_TOKENS,
 ) -> dict[str, Any]:
     """Replay ``trace`` sequentially through an :class:`OfflineCache`; returns the replay's JSON fields.
 
     ``anchor_blocks > 0`` turns the admission gate on (as ``KVFABRIC_ADMISSION_ANCHOR_BLOCKS``). ``progress``, if
     given, is an iterator advanced once per request (e.g. a tqdm bar's ``update`` via ``iter``).
+    ``trace_block_tokens``: tokens per hash id of ``trace`` (a recorded run replays with its own block size).
     """
-    if TRACE_BLOCK_TOKENS % block_size:
-        raise ValueError(f"block_size must divide {TRACE_BLOCK_TOKENS}")
-    keys_all = [block_keys(r, block_size) for r in trace]
+    if trace_block_tokens % block_size:
+        raise ValueError(f"block_size must divide {trace_block_tokens}")
+    keys_all = [block_keys(r, block_size, trace_block_tokens) for r in trace]
     if isinstance(policy, EvictionPolicy):
         pol = policy
     else:
-        pol = make_policy(policy, settings, oracle=occurrences_of(keys_all) if policy == "optimal" else None)
+        oracle = None
+        if policy == "optimal":
+            # A use is a position a request can hit: vLLM always recomputes the prompt's last token, so a block
+            # ending at or past it is sealed again but never hit (counting it as a use misleads the optimum).
+            oracle = occurrences_of(keys[: max(0, (r.input_length - 1) // block_size)]
+                                    for keys, r in zip(keys_all, trace, strict=True))
+        pol = make_policy(policy, settings, oracle=oracle)
     gate = AnchorAdmissionGate(anchor_blocks) if anchor_blocks > 0 else None
     cache = OfflineCache(num_blocks, pol, block_size, gate)
     window: list[tuple[int, list[int]]] = []

@@ -179,7 +179,9 @@ def replay_real(
         chains = []
         for req in requests:
             assert _trace_row(req.request_id) == len(chains)
-            chains.append([S.hash64(h) for h in req.block_hashes])
+            # Only blocks a request can hit are its uses: vLLM always recomputes the prompt's last token.
+            hittable = req.block_hashes[: max(0, (req.num_prompt_tokens - 1) // block_size)]
+            chains.append([S.hash64(h) for h in hittable])
         oracle = make_policy("optimal", oracle=occurrences_of(chains))  # type: ignore[arg-type]
     inst = build_hook(scheduler.kv_cache_manager, settings, scheduler=scheduler, block_size=block_size,
                       engine=engine_id(scheduler), policy=oracle, outlet="tee" if collector else "local",

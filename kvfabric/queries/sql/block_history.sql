@@ -22,7 +22,8 @@ SELECT
     protected,
     policy,
     "count",
-    age_ns
+    age_ns,
+    reason
 FROM events
 WHERE block_hash = $block_hash
   AND ($run IS NULL OR run_id = $run)

@@ -23,7 +23,8 @@ SELECT
     retain_score,
     protected,
     policy,
-    age_ns
+    age_ns,
+    reason
 FROM events
 WHERE event = 'block_evicted'
   AND ($run IS NULL OR run_id = $run)

@@ -1,0 +1,12 @@
+-- eviction_reasons($run): block_evicted rows of one run by why the block lost its content (docs/design.md §4):
+-- pressure (reused by get_new_blocks for a new allocation), connector (evict_blocks, KV connectors), reset (a
+-- prefix-cache reset), unknown (the row carries no reason: streams of schema version 1, or an emitter that did not
+-- know). One row per reason present.
+SELECT
+    coalesce(reason, 'unknown') AS reason,
+    count(*)::BIGINT AS evicted_blocks,
+    count(*) FILTER (WHERE share_degree >= 2)::BIGINT AS shared_anchor_evictions
+FROM events
+WHERE run_id = $run AND event = 'block_evicted'
+GROUP BY 1
+ORDER BY 1
