@@ -58,7 +58,7 @@ class Recorder:
     """
 
     __slots__ = ("block_size", "clock", "errors", "families", "family_depth", "family_from_rid", "gate", "keeper",
-                 "log", "on", "request", "rid", "step")
+                 "log", "on", "rid", "step")
 
     def __init__(self, settings: HookSettings, recording: bool, block_size: int,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -69,8 +69,7 @@ class Recorder:
         self.keeper: Any = None
         self.gate: Any = None
         self.step = 0
-        self.request: Any = None
-        self.rid: str | None = None
+        self.rid: str | None = None  # the request whose KVCacheManager call is in progress (pool calls see it)
         self.errors = 0
         self.family_depth = settings.family_depth
         self.family_from_rid = settings.family_from_request_id
@@ -270,12 +269,12 @@ def _wrap_manager(manager: Any, r: Recorder) -> None:
                        request.num_prompt_tokens, len(hashes), hit, hashes[hit // r.block_size:]))
         except Exception:
             r.failed("recording a lookup")
-        prev_request, prev_rid = r.request, r.rid
-        r.request, r.rid = request, request.request_id
+        # Manager calls do not nest, so the context is set and cleared (no saving of a previous one).
+        r.rid = request.request_id
         try:
             result = allocate_slots(request, num_new_tokens, *args, **kwargs)
         finally:
-            r.request, r.rid = prev_request, prev_rid
+            r.rid = None
         if fresh and r.on:
             try:
                 if result is not None:
@@ -288,12 +287,11 @@ def _wrap_manager(manager: Any, r: Recorder) -> None:
 
     @functools.wraps(free)
     def kvfabric_free(request: Any, *args: Any, **kwargs: Any) -> Any:
-        prev_request, prev_rid = r.request, r.rid
-        r.request, r.rid = request, request.request_id
+        r.rid = request.request_id
         try:
             return free(request, *args, **kwargs)
         finally:
-            r.request, r.rid = prev_request, prev_rid
+            r.rid = None
             if r.on:
                 try:
                     r.add((R.DONE, request.request_id))
