@@ -107,8 +107,9 @@ def forward(
 
 
 def accounted(sink: UnixArrowSink) -> int:
-    """Rows this process is done with: delivered to the socket, or lost *and* reported in a delivered row."""
-    return sink.sent_events + sink.reported_lost
+    """Rows this process is done with: committed (acknowledged by the collector), or lost and reported in a
+    committed row."""
+    return sink.accounted_events()
 
 
 def _ack(sink: UnixArrowSink, out: BinaryIO) -> None:

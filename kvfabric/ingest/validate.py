@@ -3,12 +3,18 @@
 Everything here is pure (no I/O) so it can be tested without sockets. Checks are vectorised (pyarrow.compute on
 whole columns), never per row, because they run on the ingest hot path.
 
+Refusals come in two sizes: :class:`BadStream` (the schema or the framing is unusable: the connection closes) and
+:class:`BadBatch` (one batch's content breaks the contract: only that batch is refused, counted, and the stream goes
+on, because the Arrow framing around it is intact).
+
 Invariants a batch that passes :func:`check_batch` guarantees to the writer:
   * its schema is exactly :data:`kvfabric.schema.EVENT_SCHEMA` (normalised: nullability flags and metadata of the
     sender are dropped), so batches of different streams concatenate without casts;
   * every row's ``run_id`` and ``engine`` equal the stream metadata's (nulls are filled in with them);
   * ``seq``, ``ts_ns`` and ``event`` hold no nulls, ``seq`` is one non-negative value over the batch, and every
-    ``event`` is one of :data:`kvfabric.schema.EVENT_TYPES`: the INSERT into DuckDB's NOT NULL columns cannot fail.
+    ``event`` is one of :data:`kvfabric.schema.EVENT_TYPES`: the INSERT into DuckDB's NOT NULL columns cannot fail;
+  * every string is valid UTF-8 and at most ``max_string_bytes`` long (DuckDB would refuse invalid UTF-8 and abort
+    the whole coalesced transaction; a 100 MiB request id would be stored and served back by the API).
 """
 
 from __future__ import annotations
@@ -19,8 +25,17 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvfabric import protocol as P
 from kvfabric import schema as S
-from kvfabric.ingest.errors import OVERSIZED, SCHEMA_MISMATCH, SCHEMA_VERSION, BadStream
+from kvfabric.ingest.errors import (
+    INVALID_UTF8,
+    OVERSIZED,
+    SCHEMA_MISMATCH,
+    SCHEMA_VERSION,
+    VALUE_TOO_LONG,
+    BadBatch,
+    BadStream,
+)
 
 MAX_META_VALUE_CHARS = 4096
 """Bound on one metadata value (stream ids, engines, settings JSON): they end up in logs and in the streams table."""
@@ -28,6 +43,7 @@ MAX_META_VALUE_CHARS = 4096
 MAX_SETTINGS_CHARS = 65536
 
 _KNOWN_EVENTS = frozenset(S.EVENT_TYPES)
+_STRING_COLUMNS = tuple(i for i, f in enumerate(S.EVENT_SCHEMA) if f.type == pa.string())
 
 
 @dataclass(frozen=True)
@@ -43,14 +59,17 @@ class StreamMeta:
     policy: str
     vllm_version: str | None = None
     settings: str | None = None  # JSON text, as sent
+    protocol: int = 1  # kvfabric.protocol: 2 = the collector acknowledges commits (kvfabric/protocol.py)
 
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """Caps on one record batch; a batch over either is refused with reason ``oversized``."""
+    """Caps on one record batch: over ``max_rows``/``max_bytes`` the stream is refused (``oversized``); a string
+    value over ``max_string_bytes`` refuses that batch only (``value_too_long``)."""
 
     max_rows: int = 1_000_000
     max_bytes: int = 256 * 1024 * 1024
+    max_string_bytes: int = 4096
 
 
 @dataclass(frozen=True)
@@ -88,7 +107,7 @@ def _decode(metadata: dict[bytes, bytes] | None) -> dict[str, str]:
         try:
             out[k.decode("utf-8")] = v.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise BadStream(SCHEMA_MISMATCH, f"schema metadata is not UTF-8 ({k[:40]!r})") from e
+            raise BadStream(INVALID_UTF8, f"schema metadata is not valid UTF-8 (key {k[:40]!r}: {e})") from e
     return out
 
 
@@ -130,6 +149,16 @@ def parse_stream_meta(schema: pa.Schema) -> StreamMeta:
         limit = MAX_SETTINGS_CHARS if key == S.META_SETTINGS else MAX_META_VALUE_CHARS
         if len(value) > limit:
             raise BadStream(SCHEMA_MISMATCH, f"metadata {key} is {len(value)} characters (limit {limit})")
+    raw_protocol = meta.get(P.META_PROTOCOL, "1")
+    try:
+        protocol = int(raw_protocol)
+    except ValueError:
+        protocol = -1
+    if protocol not in P.SUPPORTED_PROTOCOLS:
+        raise BadStream(
+            SCHEMA_VERSION,
+            f"protocol {raw_protocol[:40]!r} is not supported (this collector speaks {P.SUPPORTED_PROTOCOLS})",
+        )
     settings = meta.get(S.META_SETTINGS)
     if settings is not None:
         try:
@@ -146,6 +175,7 @@ def parse_stream_meta(schema: pa.Schema) -> StreamMeta:
         policy=meta[S.META_POLICY],
         vllm_version=meta.get(S.META_VLLM_VERSION) or None,
         settings=settings,
+        protocol=protocol,
     )
 
 
@@ -158,8 +188,9 @@ def check_batch(
     value refuses the batch): the ``streams`` table is then an exact index of the events (run listings and
     block-size joins rely on it).
 
-    Raises :class:`BadStream` (``oversized`` or ``schema_mismatch``); the caller closes the connection.
-    Empty batches are legal and carry no sequence number: callers skip them (``BatchInfo.seq`` is -1).
+    Raises :class:`BadStream` (``oversized``: the connection closes) or :class:`BadBatch` (``invalid_utf8``,
+    ``value_too_long``, ``schema_mismatch``: only this batch is refused). Empty batches are legal and carry no
+    sequence number: callers skip them (``BatchInfo.seq`` is -1).
     """
     rows = batch.num_rows
     nbytes = batch.nbytes
@@ -170,20 +201,41 @@ def check_batch(
     if rows == 0:
         return batch, BatchInfo(seq=-1, rows=0, nbytes=0, min_ts_ns=0, max_ts_ns=0)
     seq_col = batch.column(0)
-    ts_col = batch.column(1)
-    event_col = batch.column(S.COLUMNS.index("event"))
-    for name, col in (("seq", seq_col), ("ts_ns", ts_col), ("event", event_col)):
-        if col.null_count:
-            raise BadStream(SCHEMA_MISMATCH, f"column {name} holds {col.null_count} nulls (not nullable)")
+    if seq_col.null_count:
+        raise BadBatch(SCHEMA_MISMATCH, f"column seq holds {seq_col.null_count} nulls (not nullable)")
     seq_range = pc.min_max(seq_col).as_py()
     if seq_range["min"] != seq_range["max"]:
-        raise BadStream(SCHEMA_MISMATCH, f"seq varies inside one batch ({seq_range['min']}..{seq_range['max']})")
-    if seq_range["min"] < 0:
-        raise BadStream(SCHEMA_MISMATCH, f"seq {seq_range['min']} is negative")
+        raise BadBatch(SCHEMA_MISMATCH, f"seq varies inside one batch ({seq_range['min']}..{seq_range['max']})")
+    seq = int(seq_range["min"])
+    if seq < 0:
+        raise BadBatch(SCHEMA_MISMATCH, f"seq {seq} is negative")
+    # Before anything turns a string into Python: a bad byte would raise UnicodeDecodeError there, and DuckDB
+    # would refuse it only at INSERT time, aborting the transaction of every other batch coalesced with it.
+    for i in _STRING_COLUMNS:
+        col = batch.column(i)
+        try:
+            col.validate(full=True)
+        except pa.ArrowInvalid as e:
+            name = S.COLUMNS[i]
+            if "utf8" in str(e).lower():
+                raise BadBatch(INVALID_UTF8, f"column {name} holds invalid UTF-8 ({e})", seq) from e
+            raise BadBatch(SCHEMA_MISMATCH, f"column {name} is malformed ({e})", seq) from e
+        longest = pc.max(pc.binary_length(col)).as_py()
+        if longest is not None and longest > limits.max_string_bytes:
+            raise BadBatch(
+                VALUE_TOO_LONG,
+                f"column {S.COLUMNS[i]} holds a value of {longest} bytes (limit {limits.max_string_bytes})",
+                seq,
+            )
+    ts_col = batch.column(1)
+    event_col = batch.column(S.COLUMNS.index("event"))
+    for name, col in (("ts_ns", ts_col), ("event", event_col)):
+        if col.null_count:
+            raise BadBatch(SCHEMA_MISMATCH, f"column {name} holds {col.null_count} nulls (not nullable)", seq)
     unknown = set(pc.unique(event_col).to_pylist()) - _KNOWN_EVENTS
     if unknown:
         shown = sorted(str(u)[:40] for u in unknown)[:5]
-        raise BadStream(SCHEMA_MISMATCH, f"unknown event types {shown}")
+        raise BadBatch(SCHEMA_MISMATCH, f"unknown event types {shown}", seq)
     columns = batch.columns
     for name, want in (("run_id", meta.run_id), ("engine", meta.engine)):
         i = S.COLUMNS.index(name)
@@ -193,11 +245,11 @@ def check_batch(
         values = pc.unique(col).to_pylist()
         if values != [want]:
             shown = [str(v)[:40] for v in values[:3]]
-            raise BadStream(SCHEMA_MISMATCH, f"rows carry {name} {shown} but the stream metadata says {want!r}")
+            raise BadBatch(SCHEMA_MISMATCH, f"rows carry {name} {shown} but the stream metadata says {want!r}", seq)
     ts_range = pc.min_max(ts_col).as_py()
     normalised = pa.RecordBatch.from_arrays(columns, schema=S.EVENT_SCHEMA)
     return normalised, BatchInfo(
-        seq=int(seq_range["min"]),
+        seq=seq,
         rows=rows,
         nbytes=nbytes,
         min_ts_ns=int(ts_range["min"]),
