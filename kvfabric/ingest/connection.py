@@ -28,6 +28,7 @@ from kvfabric.ingest.acks import AckChannel
 from kvfabric.ingest.errors import (
     ACKS_NOT_READ,
     GARBAGE,
+    SCHEMA_MISMATCH,
     TRUNCATED,
     BadBatch,
     BadStream,
@@ -140,6 +141,12 @@ def serve_connection(sock: socket.socket, source: SocketSource, peer: str, ctx: 
                 normalised, info = check_batch(batch, ctx.limits, meta)
             except BadBatch as e:
                 _refuse_batch(ctx, label, meta.stream_id, batch.num_rows, e, ack)
+                continue
+            except BadStream:
+                raise
+            except Exception as e:  # whatever else a crafted batch provokes stays a counted refusal
+                bad = BadBatch(SCHEMA_MISMATCH, f"unreadable batch ({type(e).__name__}: {e})")
+                _refuse_batch(ctx, label, meta.stream_id, batch.num_rows, bad, ack)
                 continue
             if info.rows == 0:
                 continue
