@@ -278,6 +278,7 @@ class UnixArrowSink(Sink):
         self._backoff = 0.1
         self._next_attempt = 0.0
         self._hello_seen = False  # this sink (process) has learnt its stream's committed position
+        self._close_deadline = float("inf")
         self.connects = 0
         self.acked_events = 0  # events the collector committed (or recognised as already committed)
         self.acked_reported = 0  # lost events reported in sink_dropped rows the collector committed
@@ -303,6 +304,7 @@ class UnixArrowSink(Sink):
         if self._stop.is_set():
             return
         deadline = time.monotonic() + timeout
+        self._close_deadline = deadline + 0.5  # a HELLO wait during close must not outlast it
         self._stop.set()
         self.buffer.wakeup.set()
         if self._thread is not None:
@@ -457,7 +459,7 @@ class UnixArrowSink(Sink):
         return True
 
     def _await_hello(self) -> int | None:
-        deadline = time.monotonic() + self.hello_timeout_s
+        deadline = min(time.monotonic() + self.hello_timeout_s, self._close_deadline)
         while True:
             frames = self._recv_frames(max(0.0, deadline - time.monotonic()))
             if frames is None:
