@@ -140,6 +140,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
     total_s = args.minutes * 60.0
     restart_s = parse_duration(args.restart_every)
+    args.commit = _commit()  # the code that runs, recorded now (the tree may move on during a long soak)
     workdir = tempfile.mkdtemp(prefix="kvf-soak-", dir=args.workdir)
     db = os.path.join(workdir, "soak.duckdb")
     sock = os.path.join(workdir, "s", "kvf.sock")
@@ -296,7 +297,7 @@ def write_results(args: argparse.Namespace, r: dict, soak: Soak) -> None:
         "# Collector soak: steady load, SIGKILL + restart on a schedule",
         "",
         f"Command: `{cmd.strip()}`  ",
-        f"Code: commit {_commit()}  ",
+        f"Code: commit {args.commit}  ",
         f"Machine: {os.cpu_count()} cores, {_mem_gib():.0f} GiB RAM, Python {platform.python_version()}, "
         f"{platform.platform()}  ",
         f"Load: {r['senders']} sender processes (the hook's UnixArrowSink, protocol 2) at {r['rate_per_sender']:,} "
