@@ -177,6 +177,7 @@ class EventWriter:
         self._held_rows = 0
         self._attempts = 0  # failed attempts in the current storage fault (paces the retries)
         self._needs_reopen = False
+        self._reopened = 0  # reopens in the current storage fault
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._rlog = RateLimitedLog(log, metrics.suppressed_log_lines)
@@ -302,13 +303,14 @@ class EventWriter:
         """One retry of the held items after a pause (reopening the database if DuckDB invalidated it)."""
         pause = 0.0 if self._stopping.is_set() else min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(self._attempts, 10))
         self._stopping.wait(pause)  # stop() wakes it: one last attempt, then give up (see stop())
-        reopened = False
         try:
             if self._needs_reopen and self._reopen is not None:
                 self._con = self._reopen()
+                # The committed state is the truth: a COMMIT that raised may still have been durable (DuckDB says
+                # so when only its autocheckpoint failed); what it held is now recognised as duplicates.
                 self._streams = load_streams(self._con)
                 self._needs_reopen = False
-                reopened = True
+                self._reopened += 1
             self._in_flight_rows = self._held_rows
             self._commit(self._held)
         except Exception as e:  # StorageFault, or the reopen failing (disk still full, file gone, ...)
@@ -320,10 +322,11 @@ class EventWriter:
             self._in_flight_rows = 0
         since = self.storage_failed_since or time.time()
         log.warning("storage recovered after %.1f s%s; %d held rows committed", time.time() - since,
-                    " (database reopened)" if reopened else "", self._held_rows)
+                    f" (database reopened {self._reopened}x)" if self._reopened else "", self._held_rows)
         self._held = []
         self._held_rows = 0
         self._attempts = 0
+        self._reopened = 0
         self.storage_problem = None
         self.storage_failed_since = None
         self._metrics.storage_healthy.set(1)
