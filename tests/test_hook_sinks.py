@@ -147,6 +147,23 @@ def test_unix_sink_delivers_everything_in_numbered_batches(tmp_path: Path) -> No
     server.close()
 
 
+def test_an_idle_sink_holds_no_connection(tmp_path: Path) -> None:
+    """A sink connects when it has something to send, so idle hooks do not occupy the collector's slots."""
+    path = str(tmp_path / "i.sock")
+    server = StreamServer(path)
+    buffer = EventBuffer(capacity=1000, wake_at=10)
+    sink = make_sink(path, buffer, batch=10)
+    sink.start()
+    time.sleep(0.5)
+    assert server.accepted == 0
+    for i in range(10):
+        buffer.append(row(i))
+    wait_for(lambda: len(server.rows()) == 10)
+    assert server.accepted == 1
+    sink.close()
+    server.close()
+
+
 def test_collector_late_loses_nothing(tmp_path: Path) -> None:
     path = str(tmp_path / "late.sock")
     buffer = EventBuffer(capacity=10_000, wake_at=100)

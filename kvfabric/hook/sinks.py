@@ -355,6 +355,8 @@ class UnixArrowSink(Sink):
             self._flush_locked(final)
 
     def _flush_locked(self, final: bool) -> None:
+        if self._sock is None and not (len(self.buffer) or self._unacked or self.lost_events > self.reported_lost):
+            return  # connect only with something to send: an idle hook holds no connection (nor a slot)
         if not self._ensure_connected(final):
             return
         while True:
