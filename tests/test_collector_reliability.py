@@ -186,8 +186,10 @@ class FullDisk:
     def __init__(self, root: str, size_mb: int = 64) -> None:
         self.dir = os.path.join(root, "disk")
         os.makedirs(self.dir)
-        self.mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", self.dir],
-                                      capture_output=True).returncode == 0
+        # KVFABRIC_TEST_DISK_FAULT=fsize forces the RLIMIT_FSIZE variant (to exercise it where tmpfs works).
+        self.mounted = os.environ.get("KVFABRIC_TEST_DISK_FAULT") != "fsize" and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", self.dir], capture_output=True
+        ).returncode == 0
         self.filler = os.path.join(self.dir, "filler")
         self._pid: int | None = None
         self._limit: tuple[int, int] | None = None
@@ -222,7 +224,8 @@ class FullDisk:
         if self.mounted:
             os.unlink(self.filler)
         elif self._pid is not None and self._limit is not None:
-            resource.prlimit(self._pid, resource.RLIMIT_FSIZE, self._limit)
+            with contextlib.suppress(ProcessLookupError):  # a collector that exited took its limit with it
+                resource.prlimit(self._pid, resource.RLIMIT_FSIZE, self._limit)
 
     def close(self) -> None:
         if self.mounted:
