@@ -18,11 +18,24 @@ DEFAULT_DB_PATH = "kvfabric.duckdb"
 
 
 def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/kvfabric.sock`` when that directory exists, else ``/tmp/kvfabric.sock``."""
+    """Where the hook's sink and the collector meet by default: a directory private to this user.
+
+    ``$XDG_RUNTIME_DIR/kvfabric/kvfabric.sock`` when ``$XDG_RUNTIME_DIR`` is a directory of this user (systemd
+    creates it per login, mode 0700), else ``/tmp/kvfabric-<uid>/kvfabric.sock``. The collector creates the
+    directory 0700 and refuses one that another user owns or may write to. Never a shared path such as
+    ``/tmp/kvfabric.sock``: any local user could listen there first and receive a run's metadata and events (the
+    sink also refuses a listener of another user: see :func:`kvfabric.protocol.untrusted_listener`).
+    """
+    uid = os.geteuid()
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return os.path.join(runtime, DEFAULT_SOCKET_NAME)
-    return os.path.join("/tmp", DEFAULT_SOCKET_NAME)
+    if runtime and os.path.isabs(runtime):
+        try:
+            st = os.stat(runtime)
+        except OSError:
+            st = None
+        if st is not None and os.path.isdir(runtime) and st.st_uid == uid:
+            return os.path.join(runtime, "kvfabric", DEFAULT_SOCKET_NAME)
+    return os.path.join("/tmp", f"kvfabric-{uid}", DEFAULT_SOCKET_NAME)
 
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -409,3 +409,90 @@ def wait_rows(http_url: str, run_id: str, rows: int, timeout: float = 20.0) -> N
         return any(r["run_id"] == run_id and r["events"] >= rows for r in items)
 
     wait_until(have, timeout, what=f"{rows} rows of {run_id} committed")
+
+
+# ------------------------------------------------------------------------------------------- hostile peers
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (VmRSS)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def declared_message(body_bytes: int, run_id: str = "r", engine: str = "e0") -> bytes:
+    """The header (continuation marker, length, flatbuffer metadata) of a record-batch message whose body is
+    declared ``body_bytes`` long: what a peer sends to make the collector expect a large body it never sends.
+
+    Built from a real one-row batch by rewriting the Message table's ``bodyLength`` field (flatbuffers: the root
+    table's vtable gives the field's offset; bodyLength is field 3 of Message, an int64)."""
+    msg = batch([{"ts_ns": 1, "event": "cache_reset", "run_id": run_id, "engine": engine}], seq=0).serialize()
+    data = bytearray(msg.to_pybytes())
+    meta_len = int.from_bytes(data[4:8], "little")
+    fb = 8  # the flatbuffer starts after the marker and the length
+    table = fb + int.from_bytes(data[fb : fb + 4], "little")
+    vtable = table - int.from_bytes(data[table : table + 4], "little", signed=True)
+    field_off = int.from_bytes(data[vtable + 4 + 2 * 3 : vtable + 6 + 2 * 3], "little")
+    assert field_off, "bodyLength is absent from the vtable"
+    pos = table + field_off
+    assert int.from_bytes(data[pos : pos + 8], "little") == len(data) - 8 - meta_len  # it is the body length
+    data[pos : pos + 8] = body_bytes.to_bytes(8, "little")
+    return bytes(data[: 8 + meta_len])
+
+
+def schema_bytes(stream_meta: dict[str, str]) -> bytes:
+    """Just the schema message of a stream (what a peer sends before going quiet)."""
+    return S.stream_schema(stream_meta).serialize().to_pybytes()
+
+
+def hook_row(i: int, run_id: str, engine: str, ts_ns: int | None = None) -> tuple:
+    """A row as the hook emits it (kvfabric.schema.EMIT_COLUMNS order): a block_allocated of block ``i``."""
+    values: list[object] = [None] * len(S.EMIT_COLUMNS)
+    values[S.EMIT_COLUMNS.index("ts_ns")] = ts_ns if ts_ns is not None else time.time_ns()
+    values[S.EMIT_COLUMNS.index("event")] = S.BLOCK_ALLOCATED
+    values[S.EMIT_COLUMNS.index("engine")] = engine
+    values[S.EMIT_COLUMNS.index("run_id")] = run_id
+    values[S.EMIT_COLUMNS.index("block_id")] = i
+    return tuple(values)
+
+
+def hook_dropped_row(run_id: str, engine: str) -> Callable[[int], tuple]:
+    def dropped(n: int) -> tuple:
+        values: list[object] = [None] * len(S.EMIT_COLUMNS)
+        values[S.EMIT_COLUMNS.index("ts_ns")] = time.time_ns()
+        values[S.EMIT_COLUMNS.index("event")] = S.SINK_DROPPED
+        values[S.EMIT_COLUMNS.index("engine")] = engine
+        values[S.EMIT_COLUMNS.index("run_id")] = run_id
+        values[S.EMIT_COLUMNS.index("count")] = n
+        return tuple(values)
+
+    return dropped
+
+
+def hook_sink(socket_path: str, run_id: str, engine: str = "e0", *, capacity: int = 1_000_000,
+              batch_events: int = 100, flush_ms: int = 20, **kwargs: Any) -> Any:
+    """The hook's own UnixArrowSink (protocol 2) with a fresh buffer, started."""
+    from kvfabric.hook.buffer import EventBuffer
+    from kvfabric.hook.sinks import UnixArrowSink
+
+    m = {k: v for k, v in meta("ignored", run_id, engine).items() if k != S.META_STREAM_ID}
+    buffer = EventBuffer(capacity=capacity, wake_at=batch_events)
+    sink = UnixArrowSink(socket_path, buffer, m, hook_dropped_row(run_id, engine), batch_events=batch_events,
+                         flush_ms=flush_ms, **kwargs)
+    sink.start()
+    return sink
+
+
+def stored(db_or_url: str, run_id: str) -> int:
+    """Events of ``run_id`` stored, through the REST API of a live collector (``http://...``)."""
+    import httpx
+
+    runs = httpx.get(db_or_url + "/api/v1/runs", timeout=10).json()
+    return next((r["events"] for r in runs if r["run_id"] == run_id), 0)

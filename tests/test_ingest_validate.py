@@ -10,7 +10,15 @@ import pytest
 from collector_testkit import batch, meta
 
 from kvfabric import schema as S
-from kvfabric.ingest.errors import OVERSIZED, SCHEMA_MISMATCH, SCHEMA_VERSION, BadStream
+from kvfabric.ingest.errors import (
+    INVALID_UTF8,
+    OVERSIZED,
+    SCHEMA_MISMATCH,
+    SCHEMA_VERSION,
+    VALUE_TOO_LONG,
+    BadBatch,
+    BadStream,
+)
 from kvfabric.ingest.queue import BatchQueue, BatchReceived
 from kvfabric.ingest.validate import BatchInfo, BatchLimits, StreamMeta, check_batch, parse_stream_meta
 from kvfabric.queries import BadParameter, Cursor, parse_block_hash
@@ -19,7 +27,7 @@ META = StreamMeta("s", "e0", "r", 1, 16, 100, "lru")
 
 
 def _reason(fn, *args) -> str:
-    with pytest.raises(BadStream) as info:
+    with pytest.raises((BadStream, BadBatch)) as info:
         fn(*args)
     return info.value.reason
 
@@ -85,6 +93,35 @@ def test_bad_batches_are_refused(rows, seq_override, reason) -> None:
     assert _reason(check_batch, b, BatchLimits(max_rows=2), META) == reason
 
 
+def _with_bytes(b: pa.RecordBatch, column: str, raw: bytes) -> pa.RecordBatch:
+    """``b`` with ``column`` replaced by string values holding ``raw`` (no UTF-8 check on the way in)."""
+    i = S.COLUMNS.index(column)
+    values = pa.array([raw] * b.num_rows, pa.binary()).view(pa.string())
+    return b.set_column(i, S.EVENT_SCHEMA.field(i), values)
+
+
+@pytest.mark.parametrize("column", ["event", "run_id", "engine", "request_id", "family", "policy"])
+def test_invalid_utf8_in_any_string_column_refuses_the_batch_only(column: str) -> None:
+    b = batch([{"ts_ns": 1, "event": "cache_reset", "run_id": "r", "engine": "e0"}], seq=3)
+    with pytest.raises(BadBatch) as info:
+        check_batch(_with_bytes(b, column, b"\xff\xfeok"), BatchLimits(), META)
+    assert info.value.reason == INVALID_UTF8 and info.value.seq == 3 and column in info.value.message
+
+
+def test_invalid_utf8_in_metadata_refuses_the_stream_naming_the_cause() -> None:
+    schema = S.EVENT_SCHEMA.with_metadata({**{k.encode(): v.encode() for k, v in meta("s", "r", "e").items()},
+                                           S.META_ENGINE.encode(): b"\xc3\x28"})
+    with pytest.raises(BadStream) as info:
+        parse_stream_meta(schema)
+    assert info.value.reason == INVALID_UTF8 and "not valid UTF-8" in info.value.message
+
+
+def test_a_string_over_the_cap_refuses_the_batch() -> None:
+    b = batch([{"ts_ns": 1, "event": "cache_reset", "run_id": "r", "engine": "e0", "request_id": "x" * 101}], seq=0)
+    assert _reason(check_batch, b, BatchLimits(max_string_bytes=100), META) == VALUE_TOO_LONG
+    check_batch(b, BatchLimits(max_string_bytes=101), META)  # at the cap: accepted
+
+
 def test_rows_without_run_or_engine_take_the_streams() -> None:
     b = batch([{"ts_ns": 1, "event": "cache_reset"}, {"ts_ns": 2, "event": "cache_reset", "engine": "e0"}], seq=0)
     out, _ = check_batch(b, BatchLimits(), META)
@@ -134,3 +171,7 @@ def test_cursor_round_trip_and_garbage() -> None:
     for bad in ("zzz", "", "djI6MTox"):  # the last is base64 of "v2:1:1"
         with pytest.raises(BadParameter):
             Cursor.decode(bad)
+    # Forged cursors whose numbers do not fit a BIGINT are refused before any SQL runs.
+    for ts, key in ((1 << 63, 1), (-(1 << 63) - 1, 1), (1, 1 << 63), (1, -1)):
+        with pytest.raises(BadParameter, match="out of range"):
+            Cursor.decode(Cursor(ts, key).encode())

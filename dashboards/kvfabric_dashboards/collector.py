@@ -92,6 +92,20 @@ def build_collector_health() -> Dashboard:
         "collectors.",
         Target(f"sum({h('kvfabric_db_size_bytes')})"), unit="bytes",
     ))
+    d = d.with_panel(stat_panel(
+        ids, "Storage", "Whether DuckDB accepts writes (kvfabric_storage_healthy), lowest over the selected "
+        "collectors. FAILING (disk full, I/O error, database invalidated): ingest is held, /healthz answers 503 "
+        "and the collector retries, reopening the database, until a write succeeds. docs/reliability.md.",
+        Target(f"min({h('kvfabric_storage_healthy')})"), mappings=(("0", "FAILING", "red"), ("1", "OK", "green")),
+        thresholds=((None, "red"), (1, "green")), no_value="no target",
+    ))
+    d = d.with_panel(stat_panel(
+        ids, "Refused batches", "Batches refused for their content over the selected range "
+        "(kvfabric_refused_batches_total: invalid UTF-8, over-long strings, unknown events, DuckDB refusals); "
+        "their rows are counted, never stored. Should be 0.",
+        Target(f"sum(increase({h('kvfabric_refused_batches_total')}[{RANGE}]))"), decimals=0,
+        thresholds=((None, "green"), (1, "red")), no_value="0",
+    ))
 
     # ---- ingest ------------------------------------------------------------------------------------------------
     d = d.with_row(row(ids, "Ingest"))
@@ -142,9 +156,23 @@ def build_collector_health() -> Dashboard:
     ))
     d = d.with_panel(timeseries_panel(
         ids, "Bad streams by reason", "Streams refused or cut (kvfabric_bad_streams_total): garbage, "
-        "schema_version, schema_mismatch, oversized, handshake_timeout, truncated. Each has a log line.",
+        "schema_version, schema_mismatch, oversized, handshake_timeout, truncated, slow_message, invalid_utf8, "
+        "acks_not_read. Each has a log line (at most 5 per reason per 10 s).",
         [Target(f"sum by (reason) (rate({h('kvfabric_bad_streams_total')}[{RATE}]))", "{{reason}}")],
         unit="suffix: streams/s", stacked=True,
+    ))
+    d = d.with_panel(timeseries_panel(
+        ids, "Refused batches and connections", "Batches refused for their content "
+        "(kvfabric_refused_batches_total), connections closed right after accept (kvfabric_connections_refused_"
+        "total: connection_limit, peer_not_allowed) and resent batches not stored twice "
+        "(kvfabric_duplicate_batches_total: a sink's replay after a collector restart; not a fault).",
+        [
+            Target(f"sum by (reason) (rate({h('kvfabric_refused_batches_total')}[{RATE}]))", "batch {{reason}}"),
+            Target(f"sum by (reason) (rate({h('kvfabric_connections_refused_total')}[{RATE}]))",
+                   "connection {{reason}}"),
+            Target(f"sum(rate({h('kvfabric_duplicate_batches_total')}[{RATE}]))", "duplicate batches"),
+        ],
+        unit="suffix: /s",
     ))
 
     # ---- backlog and storage -----------------------------------------------------------------------------------
@@ -162,6 +190,17 @@ def build_collector_health() -> Dashboard:
     d = d.with_panel(timeseries_panel(
         ids, "Database size over time", "DuckDB file and WAL size per collector (kvfabric_db_size_bytes).",
         [Target(h("kvfabric_db_size_bytes"), "{{instance}}")], unit="bytes",
+    ))
+    d = d.with_panel(timeseries_panel(
+        ids, "Storage faults and receive memory", "Failed DuckDB write attempts per second "
+        "(kvfabric_storage_errors_total: disk full, I/O error, invalidated database), and bytes held in partly "
+        "received messages (kvfabric_ingest_buffered_bytes, right axis; bounded by --max-buffered-bytes).",
+        [
+            Target(f"sum by (instance) (rate({h('kvfabric_storage_errors_total')}[{RATE}]))",
+                   "storage errors {{instance}}"),
+            Target(f"sum by (instance) ({h('kvfabric_ingest_buffered_bytes')})", "buffered {{instance}}"),
+        ],
+        unit="suffix: /s", right_axis_ref="B", right_axis_unit="bytes",
     ))
     d = d.with_panel(timeseries_panel(
         ids, "Scrape of /metrics", "Prometheus' own view of the collector target: scrape duration and samples "

@@ -23,7 +23,8 @@ from kvfabric.queries import QueryRunner
 API_PREFIX = "/api/v1"
 TOKEN_ENV = "KVFABRIC_API_TOKEN"
 
-HealthFn = Callable[[], dict[str, object]]
+HealthFn = Callable[[bool], dict[str, object]]
+"""Called with whether the caller is authenticated; returns the /healthz body (``status`` "ok" means 200)."""
 
 
 def create_app(

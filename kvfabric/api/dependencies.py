@@ -21,6 +21,24 @@ Runner = Annotated[QueryRunner, Depends(get_runner)]
 """The query runner as a route parameter type (every router reads through it)."""
 
 
+def _token_matches(expected: str, credentials: HTTPAuthorizationCredentials | None) -> bool:
+    given = credentials.credentials if credentials is not None else ""
+    # Constant-time comparison: the token must not leak through response timing.
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def is_authenticated(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> bool:
+    """True only when the app has a token and the request carries it (never for an app without a token: then
+    nobody is authenticated, and answers that may reveal local details, such as file paths, leave them out)."""
+    expected: str | None = request.app.state.token
+    return bool(expected) and _token_matches(expected, credentials)
+
+
+Authenticated = Annotated[bool, Depends(is_authenticated)]
+
+
 def require_token(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
@@ -28,9 +46,7 @@ def require_token(
     expected: str | None = request.app.state.token
     if not expected:
         return
-    given = credentials.credentials if credentials is not None else ""
-    # Constant-time comparison: the token must not leak through response timing.
-    if not hmac.compare_digest(given.encode(), expected.encode()):
+    if not _token_matches(expected, credentials):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
         )

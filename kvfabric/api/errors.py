@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import duckdb
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -36,6 +37,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(BadParameter, lambda _r, e: _body(422, str(e)))
     app.add_exception_handler(QueryTimeout, lambda _r, e: _body(503, str(e)))
     app.add_exception_handler(DatabaseUnavailable, lambda _r, e: _body(503, str(e)))
+    # A storage fault (disk full, invalidated database, a reopen in progress) is the server's state, not the
+    # request's: 503, and the text without DuckDB's details (they name files; the collector's log has them).
+    app.add_exception_handler(
+        duckdb.Error,
+        lambda _r, e: _body(503, f"the database cannot answer now ({type(e).__name__}); see /healthz and the "
+                                 "collector's log"),
+    )
 
     def _http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

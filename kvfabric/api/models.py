@@ -144,10 +144,14 @@ class Comparison(BaseModel):
 
 
 class Health(BaseModel):
+    """``status`` "ok" (200) or "failing" (503). Paths and ``detail`` only for callers with the bearer token."""
+
     status: str
+    storage: str | None = Field(default=None, description="ok, or failing while DuckDB refuses writes")
     db_path: str | None = None
     socket_path: str | None = None
     open_streams: int | None = None
     writer_queue_rows: int | None = None
     commits: int | None = None
     problem: str | None = None
+    detail: str | None = Field(default=None, description="the underlying error (authenticated callers only)")

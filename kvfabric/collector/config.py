@@ -6,7 +6,9 @@ collector``): :func:`add_arguments` + :func:`config_from_args` turn flags into a
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field
 
 from kvfabric.config import DEFAULT_DB_PATH, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_socket_path
@@ -35,8 +37,15 @@ class CollectorConfig:
     drain_timeout_s: float = 5.0
     max_batch_rows: int = 1_000_000
     max_batch_bytes: int = 256 * 1024 * 1024
+    max_string_bytes: int = 4096
+    max_buffered_bytes: int = 512 * 1024 * 1024
+    message_timeout_s: float = 30.0
+    idle_timeout_s: float = 300.0
     coalesce_rows: int = 245_760
     coalesce_ms: int = 100
+    checkpoint_threshold: str | None = None  # None: DuckDB's default (16MB)
+    allow_uids: tuple[str, ...] = ()  # extra uids (numbers or user names) that may stream into the socket
+    allow_remote_without_token: bool = False
     max_label_runs: int | None = None  # None: $KVFABRIC_MAX_LABEL_RUNS or 64
 
     def resolved_token(self) -> str | None:
@@ -44,6 +53,8 @@ class CollectorConfig:
         return token or None
 
     def ingest_settings(self) -> IngestSettings:
+        from kvfabric.ingest.server import parse_uids
+
         return IngestSettings(
             db_path=self.db_path,
             socket_path=self.socket_path,
@@ -53,8 +64,14 @@ class CollectorConfig:
             drain_timeout_s=self.drain_timeout_s,
             max_batch_rows=self.max_batch_rows,
             max_batch_bytes=self.max_batch_bytes,
+            max_string_bytes=self.max_string_bytes,
+            max_buffered_bytes=self.max_buffered_bytes,
+            message_timeout_s=self.message_timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
             coalesce_rows=self.coalesce_rows,
             coalesce_ms=self.coalesce_ms,
+            checkpoint_threshold=self.checkpoint_threshold,
+            allow_uids=parse_uids(self.allow_uids),
         )
 
     def to_argv(self) -> list[str]:
@@ -65,12 +82,51 @@ class CollectorConfig:
             "--handshake-timeout", f"{self.handshake_timeout_s:g}", "--drain-timeout", f"{self.drain_timeout_s:g}",
             "--max-batch-rows", str(self.max_batch_rows), "--max-batch-bytes", str(self.max_batch_bytes),
             "--coalesce-rows", str(self.coalesce_rows), "--coalesce-ms", str(self.coalesce_ms),
+            "--max-string-bytes", str(self.max_string_bytes), "--max-buffered-bytes", str(self.max_buffered_bytes),
+            "--message-timeout", f"{self.message_timeout_s:g}", "--idle-timeout", f"{self.idle_timeout_s:g}",
         ]
         if not self.http:
             argv.append("--no-http")
+        if self.checkpoint_threshold:
+            argv += ["--checkpoint-threshold", self.checkpoint_threshold]
+        for uid in self.allow_uids:
+            argv += ["--allow-uid", uid]
+        if self.allow_remote_without_token:
+            argv.append("--allow-remote-without-token")
         if self.max_label_runs is not None:
             argv += ["--max-label-runs", str(self.max_label_runs)]
         return argv
+
+
+class InsecureBind(ValueError):
+    """A non-loopback HTTP bind without a token, not explicitly allowed."""
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` names is a loopback address (an unresolvable name counts as not)."""
+    name = host.strip().strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def check_http_exposure(config: CollectorConfig) -> None:
+    """Refuse to serve every run's data to a network without a token, unless the operator said so explicitly."""
+    if not config.http or config.resolved_token() or config.allow_remote_without_token or is_loopback(config.host):
+        return
+    raise InsecureBind(
+        f"--host {config.host} is not a loopback address and no token is set: anyone who can reach the port would "
+        f"read every run's data. Set ${TOKEN_ENV} (or --token), bind 127.0.0.1, or pass "
+        "--allow-remote-without-token if that is really intended"
+    )
 
 
 def _mode(text: str) -> int:
@@ -86,19 +142,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", dest="db_path", default=d.db_path, help="DuckDB file (default: %(default)s)")
     parser.add_argument("--socket", dest="socket_path", default=d.socket_path,
                         help="Unix socket sinks connect to (default: %(default)s)")
-    parser.add_argument("--host", default=d.host, help="HTTP bind address (default: %(default)s)")
+    parser.add_argument("--host", default=d.host,
+                        help="HTTP bind address (default: %(default)s). A non-loopback address needs a token "
+                        f"(${TOKEN_ENV} or --token) unless --allow-remote-without-token is given")
     parser.add_argument("--port", type=int, default=d.port, help="HTTP port, 0 = any free (default: %(default)s)")
     parser.add_argument("--token", default=None,
                         help=f"bearer token for /api/v1 and /metrics (prefer ${TOKEN_ENV}: argv is visible to ps)")
+    parser.add_argument("--allow-remote-without-token", action="store_true",
+                        help="serve REST and /metrics on a non-loopback --host without a token (anyone who can "
+                        "reach the port reads every run's data); refused unless given")
     parser.add_argument("--no-http", dest="http", action="store_false", help="ingest only, no REST/metrics")
     parser.add_argument("--socket-mode", type=_mode, default=d.socket_mode, help="600 (default) or 660")
-    parser.add_argument("--max-connections", type=int, default=d.max_connections)
+    parser.add_argument("--allow-uid", dest="allow_uids", action="append", default=[], metavar="UID",
+                        help="a uid or user name that may stream into the socket besides this user, root and (with "
+                        "--socket-mode 660) the socket's group; repeatable")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="sink connections at once; when full, the quietest one is closed to make room "
+                        "(default: %(default)s)")
     parser.add_argument("--handshake-timeout", dest="handshake_timeout_s", type=float, default=d.handshake_timeout_s,
                         help="seconds a new connection has to send its schema (default: %(default)s)")
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=d.drain_timeout_s,
                         help="seconds connections may keep sending after SIGTERM (default: %(default)s)")
+    parser.add_argument("--message-timeout", dest="message_timeout_s", type=float, default=d.message_timeout_s,
+                        help="seconds a message may take from its first byte to its last (default: %(default)s)")
+    parser.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, default=d.idle_timeout_s,
+                        help="seconds a stream may stay silent before it is closed; sinks reconnect when they have "
+                        "data (default: %(default)s)")
     parser.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows)
-    parser.add_argument("--max-batch-bytes", type=int, default=d.max_batch_bytes)
+    parser.add_argument("--max-batch-bytes", type=int, default=d.max_batch_bytes,
+                        help="largest message (record batch) accepted (default: %(default)s)")
+    parser.add_argument("--max-buffered-bytes", type=int, default=d.max_buffered_bytes,
+                        help="bytes all connections together may hold in partly received messages "
+                        "(default: %(default)s)")
+    parser.add_argument("--max-string-bytes", type=int, default=d.max_string_bytes,
+                        help="longest string value; a batch with a longer one is refused (default: %(default)s)")
+    parser.add_argument("--checkpoint-threshold", default=None, metavar="SIZE",
+                        help="WAL size at which DuckDB checkpoints, e.g. 16MB (default: DuckDB's)")
     parser.add_argument("--coalesce-rows", type=int, default=d.coalesce_rows,
                         help="rows per DuckDB insert the writer aims for (default: %(default)s)")
     parser.add_argument("--coalesce-ms", type=int, default=d.coalesce_ms,
@@ -108,6 +187,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> CollectorConfig:
+    """Flags -> config. Raises ValueError on limits that contradict each other."""
+    if args.max_buffered_bytes < args.max_batch_bytes:
+        raise ValueError(f"--max-buffered-bytes ({args.max_buffered_bytes}) must be at least --max-batch-bytes "
+                         f"({args.max_batch_bytes}): a message of the largest allowed size could never be received")
     return CollectorConfig(
         db_path=args.db_path,
         socket_path=args.socket_path,
@@ -121,7 +204,14 @@ def config_from_args(args: argparse.Namespace) -> CollectorConfig:
         drain_timeout_s=args.drain_timeout_s,
         max_batch_rows=args.max_batch_rows,
         max_batch_bytes=args.max_batch_bytes,
+        max_string_bytes=args.max_string_bytes,
+        max_buffered_bytes=args.max_buffered_bytes,
+        message_timeout_s=args.message_timeout_s,
+        idle_timeout_s=args.idle_timeout_s,
         coalesce_rows=args.coalesce_rows,
         coalesce_ms=args.coalesce_ms,
+        checkpoint_threshold=args.checkpoint_threshold,
+        allow_uids=tuple(args.allow_uids),
+        allow_remote_without_token=args.allow_remote_without_token,
         max_label_runs=args.max_label_runs,
     )

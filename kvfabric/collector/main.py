@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import duckdb
 
-from kvfabric.collector.config import add_arguments, config_from_args
+from kvfabric.collector.config import InsecureBind, add_arguments, config_from_args
 from kvfabric.collector.service import Collector
-from kvfabric.ingest.server import SocketInUse
+from kvfabric.ingest.server import SocketInUse, UnsafeSocketDirectory
 from kvfabric.ingest.store import IncompatibleDatabase
 
 log = logging.getLogger("kvfabric.collector")
@@ -33,19 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run a collector in this process. Returns 0 after a clean stop, 2 when it could not start."""
+    """Run a collector in this process. Returns 0 after a clean stop, 1 when the final flush was not clean (the log
+    says what was not committed and why), 2 when it could not start."""
     logging.basicConfig(
         level=getattr(logging, args.log_level), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLogger().level))  # its banner is noise
-    collector = Collector(config_from_args(args))
     try:
-        collector.serve_forever()
-    except (SocketInUse, IncompatibleDatabase, duckdb.IOException, OSError) as e:
+        collector = Collector(config_from_args(args))
+        clean = collector.serve_forever()
+    except (SocketInUse, UnsafeSocketDirectory, InsecureBind, IncompatibleDatabase, duckdb.IOException, OSError,
+            ValueError) as e:
         log.error("kvfabric collector could not start: %s", e)
         return 2
-    return 0
+    return 0 if clean else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from types import FrameType
 import uvicorn
 
 from kvfabric.api import create_app
-from kvfabric.collector.config import CollectorConfig
+from kvfabric.collector.config import CollectorConfig, check_http_exposure
 from kvfabric.ingest import CollectorMetrics, IngestPipeline
 from kvfabric.queries import QueryRunner
 
@@ -50,7 +50,9 @@ class Collector:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start everything; returns once the socket accepts and HTTP answers. Raises on any startup failure."""
+        """Start everything; returns once the socket accepts and HTTP answers. Raises on any startup failure
+        (:class:`~kvfabric.collector.config.InsecureBind` before anything is opened)."""
+        check_http_exposure(self.config)
         self.pipeline.start()
         try:
             if self.config.http:
@@ -59,7 +61,7 @@ class Collector:
             self.pipeline.stop()
             raise
         self._started = True
-        self.metrics.up.set(1)
+        self.metrics.up.set_function(lambda: 1.0 if self._serving() else 0.0)
         log.info(
             "kvfabric collector: socket=%s http=%s db=%s",
             self.config.socket_path, self.http_url or "off", self.config.db_path,
@@ -89,9 +91,15 @@ class Collector:
                 raise RuntimeError(f"HTTP server did not start on {self.http_url}")
             time.sleep(0.01)
 
-    def stop(self) -> None:
-        """Stop in the order of the module docstring; everything received is committed. Idempotent."""
-        self.metrics.up.set(0)
+    def _serving(self) -> bool:
+        writer = self.pipeline.writer
+        return self._started and writer is not None and writer.healthy
+
+    def stop(self) -> bool:
+        """Stop in the order of the module docstring; everything received is committed (or the log says how much
+        was not, and why). Returns whether the flush was clean. Idempotent."""
+        started = self._started
+        self._started = False
         if self._http_server is not None:
             self._http_server.should_exit = True
             if self._http_thread is not None:
@@ -100,10 +108,15 @@ class Collector:
         if self._http_sock is not None:
             self._http_sock.close()
             self._http_sock = None
-        self.pipeline.stop()
-        if self._started:
+        report = self.pipeline.stop()
+        if not started:
+            return report.clean
+        if report.clean:
             log.info("kvfabric collector stopped; db=%s flushed", self.config.db_path)
-            self._started = False
+        else:
+            log.error("kvfabric collector stopped WITHOUT a clean flush of db=%s: %s; %d received rows not "
+                      "committed", self.config.db_path, report.problem or "unknown problem", report.uncommitted_rows)
+        return report.clean
 
     def __enter__(self) -> Collector:
         self.start()
@@ -112,8 +125,9 @@ class Collector:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def serve_forever(self) -> None:
-        """Start, serve until SIGTERM or SIGINT, then stop (flushing). Call from the main thread."""
+    def serve_forever(self) -> bool:
+        """Start, serve until SIGTERM or SIGINT, then stop (flushing). Call from the main thread. Returns whether
+        the final flush was clean (everything received committed and checkpointed)."""
         stop = threading.Event()
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -121,29 +135,44 @@ class Collector:
             stop.set()
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        clean = False
         try:
             self.start()
             while not stop.wait(0.5):
                 pass
         finally:
-            self.stop()
+            clean = self.stop()
             for s, h in previous.items():
                 signal.signal(s, h)
+        return clean
 
     # -- introspection --------------------------------------------------------------------------------------
-    def health(self) -> dict[str, object]:
-        """/healthz body: ``status`` is ``ok`` while the writer thread lives, else ``failing`` (HTTP 503)."""
+    def health(self, authorized: bool = False) -> dict[str, object]:
+        """/healthz body: ``status`` is ``ok`` while the writer thread lives and DuckDB accepts writes, else
+        ``failing`` (HTTP 503). File paths and error texts (which name files) only for ``authorized`` callers."""
         writer = self.pipeline.writer
         server = self.pipeline.server
         body: dict[str, object] = {
             "status": "ok",
-            "db_path": self.config.db_path,
-            "socket_path": self.config.socket_path,
+            "storage": "ok",
             "open_streams": server.open_connections if server else 0,
             "writer_queue_rows": writer.pending_rows if writer else 0,
             "commits": writer.commits if writer else 0,
         }
+        if authorized:
+            body["db_path"] = self.config.db_path
+            body["socket_path"] = self.config.socket_path
+        detail: str | None = None
         if writer is None or not writer.alive:
             body["status"] = "failing"
-            body["problem"] = f"writer not running ({writer.failed if writer else 'stopped'})"
+            body["problem"] = "writer not running"
+            detail = str(writer.failed) if writer is not None and writer.failed else "stopped"
+        elif writer.storage_problem is not None:
+            body["status"] = body["storage"] = "failing"
+            since = writer.storage_failed_since or time.time()
+            body["problem"] = (f"storage failing for {time.time() - since:.0f} s: ingest held "
+                               f"({writer.pending_rows} rows waiting), retrying")
+            detail = writer.storage_problem
+        if authorized and detail:
+            body["detail"] = detail
         return body

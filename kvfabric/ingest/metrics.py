@@ -20,7 +20,12 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvfabric import schema as S
-from kvfabric.ingest.errors import BAD_STREAM_REASONS
+from kvfabric.ingest.errors import (
+    BAD_STREAM_REASONS,
+    CLOSED_CONNECTION_REASONS,
+    REFUSED_BATCH_REASONS,
+    REFUSED_CONNECTION_REASONS,
+)
 
 OTHER_RUNS = "_other"
 UNKNOWN_REASON = "unknown"
@@ -138,17 +143,64 @@ class CollectorMetrics:
         )
         for reason in BAD_STREAM_REASONS:  # every reason shows as 0 from the start: alert rules need the series
             self.bad_streams.labels(reason=reason)
+        self.refused_batches = Counter(
+            "kvfabric_refused_batches_total", "Batches refused for their content (the stream goes on), by reason",
+            ["reason"], registry=r,
+        )
+        for reason in REFUSED_BATCH_REASONS:
+            self.refused_batches.labels(reason=reason)
+        self.refused_rows = Counter(
+            "kvfabric_refused_rows_total", "Rows of refused batches (counted, never stored)", registry=r
+        )
+        self.duplicate_batches = Counter(
+            "kvfabric_duplicate_batches_total",
+            "Batches received again after they were committed (a sink's resend): not stored twice", registry=r,
+        )
+        self.connections_refused = Counter(
+            "kvfabric_connections_refused_total", "Connections closed right after accept, by reason", ["reason"],
+            registry=r,
+        )
+        for reason in REFUSED_CONNECTION_REASONS:
+            self.connections_refused.labels(reason=reason)
+        self.connections_closed = Counter(
+            "kvfabric_connections_closed_total",
+            "Quiet connections the collector closed at a message boundary (idle, or evicted to make room)",
+            ["reason"], registry=r,
+        )
+        for reason in CLOSED_CONNECTION_REASONS:
+            self.connections_closed.labels(reason=reason)
+        self.suppressed_log_lines = Counter(
+            "kvfabric_log_lines_suppressed_total", "Refusal log lines left out by rate limiting", registry=r
+        )
+        self.buffered_bytes = Gauge(
+            "kvfabric_ingest_buffered_bytes", "Bytes held in partly received messages, all connections together",
+            registry=r,
+        )
+        self.storage_healthy = Gauge(
+            "kvfabric_storage_healthy", "1 while DuckDB accepts writes, 0 from a failed write until one succeeds",
+            registry=r,
+        )
+        self.storage_healthy.set(1)
+        self.storage_errors = Counter(
+            "kvfabric_storage_errors_total", "DuckDB write attempts that failed (disk full, I/O error, invalidated)",
+            registry=r,
+        )
         self.open_streams = Gauge("kvfabric_open_streams", "Connected sink streams", registry=r)
         self.db_size = Gauge("kvfabric_db_size_bytes", "Size of the DuckDB file and its WAL", registry=r)
         self.writer_queue_rows = Gauge(
             "kvfabric_writer_queue_rows", "Rows received but not yet committed", registry=r
         )
-        self.up = Gauge("kvfabric_up", "1 while the collector serves", registry=r)
+        self.up = Gauge("kvfabric_up", "1 while the collector serves and its storage accepts writes", registry=r)
 
-    def bind_gauges(self, db_size: Callable[[], float], queue_rows: Callable[[], float]) -> None:
+    def bind_gauges(
+        self, db_size: Callable[[], float], queue_rows: Callable[[], float],
+        buffered_bytes: Callable[[], float] | None = None,
+    ) -> None:
         """Gauges read at scrape time (no thread has to keep them fresh)."""
         self.db_size.set_function(db_size)
         self.writer_queue_rows.set_function(queue_rows)
+        if buffered_bytes is not None:
+            self.buffered_bytes.set_function(buffered_bytes)
 
     def run_label(self, run_id: str | None) -> str:
         """``run_id`` itself for the first ``max_label_runs`` runs seen, ``_other`` after that."""

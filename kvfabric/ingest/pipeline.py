@@ -7,18 +7,23 @@ is what "nothing acknowledged is lost" rests on.
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 
+from kvfabric.ingest.budget import ByteBudget
 from kvfabric.ingest.connection import IngestContext
 from kvfabric.ingest.metrics import CollectorMetrics
 from kvfabric.ingest.queue import BatchQueue
+from kvfabric.ingest.ratelimit import RateLimitedLog
 from kvfabric.ingest.server import StreamServer
 from kvfabric.ingest.store import db_size_bytes, open_database
 from kvfabric.ingest.validate import BatchLimits
-from kvfabric.ingest.writer import EventWriter
+from kvfabric.ingest.writer import EventWriter, StopReport
+
+log = logging.getLogger("kvfabric.ingest")
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,17 @@ class IngestSettings:
     drain_timeout_s: float = 5.0
     max_batch_rows: int = 1_000_000
     max_batch_bytes: int = 256 * 1024 * 1024
+    max_string_bytes: int = 4096
+    max_buffered_bytes: int = 512 * 1024 * 1024  # partly received messages, all connections together
+    message_timeout_s: float = 30.0
+    idle_timeout_s: float = 300.0
     queue_max_rows: int = 2_000_000
     queue_max_bytes: int = 512 * 1024 * 1024
     coalesce_rows: int = 245_760
     coalesce_ms: int = 100
+    gap_grace_s: float = 5.0
+    checkpoint_threshold: str | None = None  # DuckDB size string; None = DuckDB's default (16MB)
+    allow_uids: frozenset[int] = field(default_factory=frozenset)
 
 
 class IngestPipeline:
@@ -51,29 +63,40 @@ class IngestPipeline:
         self.queue = BatchQueue(settings.queue_max_rows, settings.queue_max_bytes)
         self._readers_parent: duckdb.DuckDBPyConnection | None = None
         self._readers_lock = threading.Lock()
+        self.budget: ByteBudget | None = None
 
     def start(self) -> None:
         s = self.settings
-        self.con = open_database(s.db_path)
+        self.con = open_database(s.db_path, s.checkpoint_threshold)
         # Reader connections are made from a parent that no query ever runs on, under a lock, so they never touch
         # the writer's connection object from another thread.
         self._readers_parent = self.con.cursor()
         self.writer = EventWriter(
-            self.con, self.queue, self.metrics, coalesce_rows=s.coalesce_rows, coalesce_s=s.coalesce_ms / 1000
+            self.con, self.queue, self.metrics, coalesce_rows=s.coalesce_rows, coalesce_s=s.coalesce_ms / 1000,
+            gap_grace_s=s.gap_grace_s, reopen=self.reopen,
         )
         writer = self.writer
-        self.metrics.bind_gauges(lambda: db_size_bytes(s.db_path), lambda: writer.pending_rows)
+        budget = ByteBudget(s.max_buffered_bytes)
+        self.budget = budget
+        self.metrics.bind_gauges(lambda: db_size_bytes(s.db_path), lambda: writer.pending_rows,
+                                 lambda: budget.held)
         self.writer.start()
         ctx = IngestContext(
             queue=self.queue,
             metrics=self.metrics,
-            limits=BatchLimits(max_rows=s.max_batch_rows, max_bytes=s.max_batch_bytes),
+            limits=BatchLimits(max_rows=s.max_batch_rows, max_bytes=s.max_batch_bytes,
+                               max_string_bytes=s.max_string_bytes),
             handshake_timeout_s=s.handshake_timeout_s,
             stopping=threading.Event(),
             drain_deadline=[float("inf")],
+            resume_seq=writer.resume_seq,
+            message_timeout_s=s.message_timeout_s,
+            idle_timeout_s=s.idle_timeout_s,
+            rlog=RateLimitedLog(log, self.metrics.suppressed_log_lines),
         )
         self.server = StreamServer(
-            s.socket_path, ctx, max_connections=s.max_connections, socket_mode=s.socket_mode
+            s.socket_path, ctx, max_connections=s.max_connections, socket_mode=s.socket_mode, budget=budget,
+            allow_uids=s.allow_uids,
         )
         try:
             self.server.start()
@@ -85,25 +108,54 @@ class IngestPipeline:
     def reader_connection(self) -> duckdb.DuckDBPyConnection:
         """A new connection to the same database instance, for read-only queries in this process.
 
-        DuckDB's MVCC gives it a consistent snapshot per query while the writer commits concurrently.
+        DuckDB's MVCC gives it a consistent snapshot per query while the writer commits concurrently. While the
+        database is being reopened after a storage fault, raises :class:`~kvfabric.queries.DatabaseUnavailable`
+        (REST: 503).
         """
+        from kvfabric.queries import DatabaseUnavailable
+
         with self._readers_lock:
             if self._readers_parent is None:
-                raise RuntimeError("the ingest pipeline is not running")
+                raise DatabaseUnavailable("the database is not open (storage failing or collector stopping)")
             return self._readers_parent.cursor()
 
-    def stop(self) -> None:
-        """Drain the socket, commit the queue, checkpoint and close the database. Idempotent."""
+    def reopen(self) -> duckdb.DuckDBPyConnection:
+        """Close every connection to the database and open it again (DuckDB's way out of an invalidated instance:
+        it keeps one instance per file while any connection to it lives). Called by the writer thread."""
+        s = self.settings
+        with self._readers_lock:
+            for con in (self._readers_parent, self.con):
+                if con is not None:
+                    try:
+                        con.close()
+                    except duckdb.Error:
+                        pass
+            self._readers_parent = None
+            self.con = None
+            con = open_database(s.db_path, s.checkpoint_threshold)
+            self.con = con
+            self._readers_parent = con.cursor()
+            return con
+
+    def stop(self) -> StopReport:
+        """Drain the socket, commit the queue, checkpoint and close the database. Idempotent.
+
+        Returns what the writer achieved (:class:`~kvfabric.ingest.writer.StopReport`)."""
+        report = StopReport()
         if self.server is not None:
             self.server.stop(self.settings.drain_timeout_s)
             self.server = None
         if self.writer is not None:
-            self.writer.stop()
+            report = self.writer.stop()
             self.writer = None
         with self._readers_lock:
             if self._readers_parent is not None:
                 self._readers_parent.close()
                 self._readers_parent = None
         if self.con is not None:
-            self.con.close()
+            try:
+                self.con.close()
+            except duckdb.Error:
+                pass
             self.con = None
+        return report

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from kvfabric.ingest.acks import AckChannel
 from kvfabric.ingest.validate import BatchInfo, StreamMeta
 
 
@@ -34,12 +35,13 @@ class StreamOpened:
 
 @dataclass(frozen=True)
 class BatchReceived:
-    """One validated record batch of ``stream_id``."""
+    """One validated record batch of ``stream_id``; ``ack`` is its connection's channel (protocol 2) or None."""
 
     stream_id: str
     batch: pa.RecordBatch
     info: BatchInfo
     received_ns: int = field(default_factory=time.time_ns)
+    ack: AckChannel | None = field(default=None, compare=False)
 
     @property
     def rows(self) -> int:
@@ -50,7 +52,22 @@ class BatchReceived:
         return self.info.nbytes
 
 
-QueueItem = StreamOpened | BatchReceived
+@dataclass(frozen=True)
+class BatchRefused:
+    """A batch of ``stream_id`` refused for its content: the writer records it (its rows are counted, the stream's
+    sequence advances past it) in order with the stream's other batches. ``seq`` is None when it was unreadable."""
+
+    stream_id: str
+    seq: int | None
+    refused_rows: int
+    reason: str
+    received_ns: int = field(default_factory=time.time_ns)
+    ack: AckChannel | None = field(default=None, compare=False)
+    rows: int = 0  # holds no data: costs the queue nothing
+    nbytes: int = 0
+
+
+QueueItem = StreamOpened | BatchReceived | BatchRefused
 
 
 class QueueClosed(Exception):
@@ -90,15 +107,25 @@ class BatchQueue:
             self._bytes += item.nbytes
             self._cond.notify_all()
 
-    def get_many(self, target_rows: int, window_s: float) -> list[QueueItem] | None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def get_many(self, target_rows: int, window_s: float, timeout: float | None = None) -> list[QueueItem] | None:
         """Take items for one coalesced insert; None once the queue is closed and empty.
 
-        Waits for a first item, then returns as soon as ``target_rows`` are available or the *oldest* waiting item
-        has waited ``window_s`` (so a writer that was busy does not add a second window of latency).
+        Waits for a first item (at most ``timeout`` s, then returns ``[]``), then returns as soon as ``target_rows``
+        are available or the *oldest* waiting item has waited ``window_s`` (so a writer that was busy does not add
+        a second window of latency).
         """
         with self._cond:
-            while not self._items and not self._closed:
-                self._cond.wait()
+            if timeout is None:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+            elif not self._items and not self._closed:
+                self._cond.wait(timeout)
+                if not self._items and not self._closed:
+                    return []
             if not self._items:
                 return None
             deadline = self._items[0][0] + window_s

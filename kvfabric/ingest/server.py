@@ -1,8 +1,21 @@
 """The Unix-socket server that accepts sink connections (one thread per connection, bounded in number).
 
-Socket file: the parent directory is created (0700) if missing; a stale socket file (nobody listening) is
-replaced, a live one (another collector) or a non-socket file at the path is an error, never deleted. The socket
-is chmod'ed *before* listen(), so there is no moment where it accepts connections with looser permissions.
+Socket file: the parent directory is created (0700) if missing; an existing one must belong to this user (or root)
+and must not be writable by others unless it is sticky (like /tmp), otherwise another user could replace the socket.
+A stale socket file (nobody listening) is replaced, a live one (another collector) or a non-socket file at the
+path is an error, never deleted. The socket is chmod'ed *before* listen(), so there is no moment where it accepts
+connections with looser permissions.
+
+Who may connect (SO_PEERCRED, checked right after accept, before anything is read): this collector's own uid,
+root, the uids of ``allow_uids``, and, when the socket is group-accessible (mode 0660), members of the socket's
+group. Anyone else is closed at once and counted (``kvfabric_connections_refused_total{reason="peer_not_allowed"}``):
+the file mode is the first fence, this check the second (a umask or chmod mistake does not open the collector).
+
+Connection slots (``max_connections``): a legitimate stream must always get in. When all slots are taken, the
+connection that has been quiet the longest is closed to make room, at a message boundary so nothing is lost
+(connections still in their handshake first, then streams idle between messages; both only after at least
+:data:`EVICT_MIN_QUIET_S` of silence). Only when every connection is busy is the newcomer closed; a protocol-2
+sink sends nothing before the collector's HELLO, so that costs it nothing but a retry.
 
 Stopping (:meth:`StreamServer.stop`) loses nothing a sink managed to send before it: connections already in the
 listen backlog are still accepted, and every connection reads on until it is idle at a message boundary (or the
@@ -12,28 +25,43 @@ drain deadline passes), so the writer can commit all of it.
 from __future__ import annotations
 
 import errno
+import grp
 import logging
 import os
+import pwd
 import socket
 import stat
 import threading
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
+from kvfabric.ingest.budget import ByteBudget
 from kvfabric.ingest.connection import IngestContext, peer_label, serve_connection
+from kvfabric.ingest.errors import CONNECTION_LIMIT, PEER_NOT_ALLOWED
+from kvfabric.ingest.source import SocketSource
+from kvfabric.protocol import PeerCredentials, peer_credentials
 
 log = logging.getLogger("kvfabric.ingest")
 
 ACCEPT_POLL_S = 0.2
+EVICT_MIN_QUIET_S = 1.0
+"""A connection is a candidate for eviction only after this long without a whole message."""
 
 
 class SocketInUse(RuntimeError):
     """Another process is listening on the socket path (or the path is not a socket)."""
 
 
+class UnsafeSocketDirectory(RuntimeError):
+    """The socket's directory could let another user replace the socket."""
+
+
 def _prepare_path(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         os.makedirs(parent, mode=0o700, exist_ok=True)
+    _check_directory(parent)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -55,20 +83,100 @@ def _prepare_path(path: str) -> None:
     raise SocketInUse(f"{path} is in use by another collector")
 
 
+def _check_directory(parent: str) -> None:
+    st = os.stat(parent)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise UnsafeSocketDirectory(
+            f"socket directory {parent} belongs to uid {st.st_uid}, not to this user ({me}): its owner could replace "
+            "the socket; use a directory of your own (the default is private: see kvfabric.config.default_socket_path)"
+        )
+    if st.st_mode & 0o022:
+        if not st.st_mode & stat.S_ISVTX:
+            raise UnsafeSocketDirectory(
+                f"socket directory {parent} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): they "
+                "could replace the socket; use a directory only you can write to"
+            )
+        log.warning("socket directory %s is shared (sticky, mode %o): sinks of other users will not trust this "
+                    "collector; prefer a private directory", parent, stat.S_IMODE(st.st_mode))
+
+
+@dataclass(frozen=True)
+class PeerPolicy:
+    """Who may stream into this collector (see module docstring)."""
+
+    own_uid: int = field(default_factory=os.geteuid)
+    allow_uids: frozenset[int] = frozenset()
+    allow_gids: frozenset[int] = frozenset()
+
+    def allows(self, creds: PeerCredentials | None) -> bool:
+        if creds is None:
+            return False
+        if creds.uid in (self.own_uid, 0) or creds.uid in self.allow_uids:
+            return True
+        if not self.allow_gids:
+            return False
+        if creds.gid in self.allow_gids:
+            return True
+        return any(_is_member(creds.uid, gid) for gid in self.allow_gids)
+
+
+def _is_member(uid: int, gid: int) -> bool:
+    """Supplementary membership (SO_PEERCRED carries only the primary gid)."""
+    try:
+        name = pwd.getpwuid(uid).pw_name
+        return name in grp.getgrgid(gid).gr_mem
+    except KeyError:
+        return False
+
+
+def parse_uids(values: Iterable[str]) -> frozenset[int]:
+    """Numeric uids or user names (``--allow-uid``); raises ValueError naming an unknown user."""
+    out: set[int] = set()
+    for v in values:
+        v = v.strip()
+        if v.isdigit():
+            out.add(int(v))
+            continue
+        try:
+            out.add(pwd.getpwnam(v).pw_uid)
+        except KeyError as e:
+            raise ValueError(f"unknown user {v!r}") from e
+    return frozenset(out)
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    source: SocketSource
+    peer: str
+    accepted: float
+
+
 class StreamServer:
     """Accepts connections on ``socket_path`` and runs :func:`serve_connection` for each in its own thread."""
 
     def __init__(
-        self, socket_path: str, ctx: IngestContext, *, max_connections: int = 64, socket_mode: int = 0o600
+        self,
+        socket_path: str,
+        ctx: IngestContext,
+        *,
+        max_connections: int = 64,
+        socket_mode: int = 0o600,
+        budget: ByteBudget | None = None,
+        allow_uids: frozenset[int] = frozenset(),
     ) -> None:
         self.socket_path = socket_path
         self._ctx = ctx
         self._max_connections = max_connections
         self._mode = socket_mode
+        self._budget = budget
+        self._allow_uids = allow_uids
+        self.policy = PeerPolicy(allow_uids=allow_uids)
         self._listener: socket.socket | None = None
         self._inode: int | None = None
         self._accept_thread: threading.Thread | None = None
-        self._conns: dict[threading.Thread, socket.socket] = {}
+        self._conns: dict[threading.Thread, _Conn] = {}
         self._lock = threading.Lock()
         self._conn_no = 0
 
@@ -77,7 +185,10 @@ class StreamServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(self.socket_path)
         os.chmod(self.socket_path, self._mode)  # before listen(): nobody can connect yet
-        self._inode = os.stat(self.socket_path).st_ino
+        st = os.stat(self.socket_path)
+        self._inode = st.st_ino
+        if self._mode & 0o070:  # the operator opened the socket to its group: its members may stream
+            self.policy = PeerPolicy(allow_uids=self._allow_uids, allow_gids=frozenset({st.st_gid}))
         sock.listen(128)
         sock.settimeout(ACCEPT_POLL_S)
         self._listener = sock
@@ -98,7 +209,7 @@ class StreamServer:
             except TimeoutError:
                 continue
             except OSError as e:
-                log.error("accept failed: %s", e)
+                self._ctx.log(logging.ERROR, "accept", "accept failed: %s", e)
                 time.sleep(ACCEPT_POLL_S)
                 continue
             self._spawn(conn)
@@ -113,21 +224,50 @@ class StreamServer:
             self._spawn(conn)
         listener.close()
 
+    def _refuse(self, conn: socket.socket, peer: str, reason: str, why: str) -> None:
+        self._ctx.metrics.connections_refused.labels(reason=reason).inc()
+        self._ctx.log(logging.WARNING, f"refused:{reason}", "kvfabric ingest: refused %s: %s", peer, why)
+        conn.close()
+
     def _spawn(self, conn: socket.socket) -> None:
+        creds = peer_credentials(conn)
         with self._lock:
             self._conn_no += 1
-            peer = peer_label(conn, self._conn_no)
-            if len(self._conns) >= self._max_connections:
-                log.warning("kvfabric ingest: refused %s: %d connections open (the limit)", peer, len(self._conns))
-                conn.close()
-                return
-            t = threading.Thread(target=self._serve, args=(conn, peer), name=f"kvfabric-{peer}", daemon=True)
-            self._conns[t] = conn
+            conn_no = self._conn_no
+        peer = peer_label(conn, conn_no)
+        if not self.policy.allows(creds):
+            self._refuse(conn, peer, PEER_NOT_ALLOWED,
+                         f"uid {creds.uid if creds else '?'} may not stream into this collector (allowed: its own "
+                         "uid, root, --allow-uid, and the socket's group when its mode is 660)")
+            return
+        source = SocketSource(
+            conn,
+            max_read_bytes=self._ctx.limits.max_bytes,
+            handshake_timeout_s=self._ctx.handshake_timeout_s,
+            stopping=self._ctx.stopping,
+            drain_deadline=self._ctx.drain_deadline,
+            budget=self._budget,
+            message_timeout_s=self._ctx.message_timeout_s,
+            idle_timeout_s=self._ctx.idle_timeout_s,
+        )
+        with self._lock:
+            live = [c for c in self._conns.values() if not c.source.evict_requested]
+            if len(live) >= self._max_connections:
+                victim = _pick_victim(live, time.monotonic())
+                if victim is None:
+                    self._refuse(conn, peer, CONNECTION_LIMIT,
+                                 f"{len(live)} connections open (the limit), all of them active")
+                    return
+                # The victim's thread closes it within one poll, at a message boundary: nothing is lost, and its
+                # sink reconnects when it next has something to send.
+                victim.source.evict_requested = True
+            t = threading.Thread(target=self._serve, args=(conn, source, peer), name=f"kvfabric-{peer}", daemon=True)
+            self._conns[t] = _Conn(conn, source, peer, time.monotonic())
         t.start()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: socket.socket, source: SocketSource, peer: str) -> None:
         try:
-            serve_connection(conn, peer, self._ctx)
+            serve_connection(conn, source, peer, self._ctx)
         finally:
             with self._lock:
                 self._conns.pop(threading.current_thread(), None)
@@ -147,10 +287,10 @@ class StreamServer:
             threads[0].join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             stuck = dict(self._conns)
-        for t, conn in stuck.items():  # blocked outside a read (should not happen): unblock by shutting down
+        for t, c in stuck.items():  # blocked outside a read (a full queue): unblock by shutting down
             log.warning("%s still open after the drain deadline; closing it", t.name)
             try:
-                conn.shutdown(socket.SHUT_RDWR)
+                c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             t.join(1.0)
@@ -159,3 +299,15 @@ class StreamServer:
                 os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+
+
+def _pick_victim(conns: list[_Conn], now: float) -> _Conn | None:
+    """The connection to close for a newcomer: the longest-waiting handshake, else the longest-idle stream."""
+    handshakes = [c for c in conns if c.source.in_handshake and now - c.accepted >= EVICT_MIN_QUIET_S]
+    if handshakes:
+        return min(handshakes, key=lambda c: c.accepted)
+    idle = [c for c in conns if not c.source.in_handshake and c.source.at_boundary
+            and now - c.source.last_boundary >= EVICT_MIN_QUIET_S]
+    if idle:
+        return min(idle, key=lambda c: c.source.last_boundary)
+    return None

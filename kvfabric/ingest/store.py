@@ -6,9 +6,11 @@ Tables (created if missing, never altered):
     One row per event, columns = :data:`kvfabric.schema.COLUMNS` with the schema's types; append-only (nothing
     ever deletes or updates a row, which keeps ``rowid`` a stable tie-breaker for keyset pagination).
 ``streams``
-    One row per stream id: its metadata and ingest accounting (batches, rows, last_seq, gaps). Rewritten by the
-    writer in the same transaction as the events it accounts for, so after any crash or restart ``last_seq`` and
-    ``rows`` describe exactly the committed events, and gap detection resumes from there.
+    One row per stream id: its metadata and ingest accounting (batches, rows, last_seq, gaps, duplicates, refused
+    batches and rows). Rewritten by the writer in the same transaction as the events it accounts for, so after any
+    crash or restart ``last_seq`` and ``rows`` describe exactly the committed events, and gap detection and
+    deduplication resume from there. Columns added after the first release are appended (ALTER TABLE ... ADD
+    COLUMN IF NOT EXISTS on open), so older files keep working.
 ``kvfabric_meta``
     Key/value facts about the file (schema version), checked on open; an older file is upgraded in place by the
     additive steps of :data:`MIGRATIONS` (columns appended, nothing rewritten), a newer or unknown one refused.
@@ -71,6 +73,9 @@ class StreamState:
     seq_resets: int = 0
     first_ts_ns: int | None = None
     last_ts_ns: int | None = None
+    duplicates: int = 0  # batches received again after they were committed (not stored twice)
+    refused_batches: int = 0  # batches refused for their content (counted, not stored)
+    refused_rows: int = 0
 
 
 STREAMS_SCHEMA = pa.schema(
@@ -95,8 +100,12 @@ STREAMS_SCHEMA = pa.schema(
         ("seq_resets", pa.int64()),
         ("first_ts_ns", pa.int64()),
         ("last_ts_ns", pa.int64()),
+        ("duplicates", pa.int64()),
+        ("refused_batches", pa.int64()),
+        ("refused_rows", pa.int64()),
     ]
 )
+_ADDED_STREAM_COLUMNS = ("duplicates", "refused_batches", "refused_rows")  # absent from files of the first release
 assert [f.name for f in STREAMS_SCHEMA] == [f.name for f in fields(StreamState)]
 
 
@@ -144,15 +153,27 @@ def _migrate(con: duckdb.DuckDBPyConnection, path: str, found: str) -> None:
         raise
 
 
-def open_database(path: str) -> duckdb.DuckDBPyConnection:
+def open_database(path: str, checkpoint_threshold: str | None = None) -> duckdb.DuckDBPyConnection:
     """Open (creating if needed) the collector's database read-write and ensure its tables.
 
     DuckDB lets one process open a file read-write; a second collector (or ``kvfabric query``) on the same file
-    fails here with DuckDB's lock error, which names the holding process.
+    fails here with DuckDB's lock error, which names the holding process. ``checkpoint_threshold`` (a DuckDB size
+    such as ``"16MB"``, its default) is the WAL size at which a commit also checkpoints into the file.
     """
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     con = duckdb.connect(path)
+    try:
+        _prepare(con, path, checkpoint_threshold)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def _prepare(con: duckdb.DuckDBPyConnection, path: str, checkpoint_threshold: str | None) -> None:
+    if checkpoint_threshold:
+        con.execute(f"SET checkpoint_threshold = '{checkpoint_threshold.replace(chr(39), '')}'")
     con.execute("CREATE TABLE IF NOT EXISTS kvfabric_meta (key VARCHAR, value VARCHAR)")
     row = con.execute("SELECT value FROM kvfabric_meta WHERE key = 'schema_version'").fetchone()
     if row is None:
@@ -161,7 +182,8 @@ def open_database(path: str) -> duckdb.DuckDBPyConnection:
         _migrate(con, path, row[0])
     con.execute(events_ddl())
     con.execute(streams_ddl())
-    return con
+    for name in _ADDED_STREAM_COLUMNS:
+        con.execute(f"ALTER TABLE streams ADD COLUMN IF NOT EXISTS {quote(name)} BIGINT DEFAULT 0")
 
 
 def load_streams(con: duckdb.DuckDBPyConnection) -> dict[str, StreamState]:

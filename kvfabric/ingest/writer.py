@@ -8,11 +8,20 @@ connection turns many small batches (the sink sends ~4096 rows) into few large i
 
 Invariants:
   * every commit holds the events of some queue items *and* the ``streams`` rows accounting for them, in one
-    transaction: ``streams.rows`` always equals the committed rows of that stream and ``last_seq`` its last
-    committed batch, so a restarted collector resumes gap detection exactly;
+    transaction: ``streams.rows`` always equals the committed rows of that stream and ``last_seq`` its highest
+    committed batch, so a restarted collector resumes gap detection and deduplication exactly;
+  * a batch is stored at most once per (stream id, seq): a ``seq`` not above ``last_seq`` is a duplicate (a sink's
+    resend after a lost acknowledgement) unless it fills a gap left open less than ``gap_grace_s`` ago (batches of
+    one stream arriving out of order over two connections); a gap counts in ``kvfabric_sequence_gaps_total`` only
+    once that grace has passed, so reordering is not reported as loss;
+  * acknowledgements (protocol 2) go out only after the COMMIT that holds the batches they name returned;
   * metrics advance only after COMMIT returned;
-  * :meth:`EventWriter.stop` returns after every item queued before it was called is committed (or reported lost
-    in the log when DuckDB itself fails), followed by a CHECKPOINT.
+  * a storage fault (disk full, I/O error, DuckDB's "database has been invalidated") loses nothing received: the
+    items of the failed commit are held, no further items are taken (the bounded queue fills, connections stop
+    reading, sinks keep their unacknowledged batches), ``kvfabric_storage_healthy`` is 0 and /healthz is 503 until
+    a retry (reopening the database when DuckDB invalidated it) commits them;
+  * :meth:`EventWriter.stop` commits every item queued before it was called, then CHECKPOINTs, and reports
+    truthfully in :class:`StopReport` what could not be committed.
 """
 
 from __future__ import annotations
@@ -20,13 +29,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import duckdb
 import pyarrow as pa
 
 from kvfabric import schema as S
+from kvfabric.ingest.acks import AckChannel
+from kvfabric.ingest.errors import STORE_FAILED
 from kvfabric.ingest.metrics import CollectorMetrics, CommitAggregate
-from kvfabric.ingest.queue import BatchQueue, BatchReceived, QueueItem, StreamOpened
+from kvfabric.ingest.queue import BatchQueue, BatchReceived, BatchRefused, QueueItem, StreamOpened
+from kvfabric.ingest.ratelimit import RateLimitedLog
 from kvfabric.ingest.store import StreamState, load_streams, quote, streams_table
 
 log = logging.getLogger("kvfabric.ingest.writer")
@@ -51,9 +65,93 @@ FROM _kvf_ingest GROUP BY run_id, engine, event
 # Rebuilt rows are a small share of events; their ages feed the time-to-rebuild histogram.
 _REBUILT_SQL = f"SELECT run_id, engine, age_ns FROM _kvf_ingest WHERE event = '{S.BLOCK_REBUILT}'"
 
+MAX_PENDING_GAP_RANGES = 256
+"""Open gaps remembered per stream (ranges of missing seqs); beyond it the oldest are confirmed at once."""
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 10.0
+
+
+class StorageFault(Exception):
+    """A write failed for a reason that is not the data's: retry the same items later."""
+
+
+def is_storage_fault(exc: duckdb.Error) -> bool:
+    """Disk full, I/O errors, an invalidated database, a failed commit: the database, not the rows, is at fault."""
+    if isinstance(exc, (duckdb.IOException, duckdb.FatalException, duckdb.InternalException,
+                        duckdb.OutOfMemoryException, duckdb.TransactionException)):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("invalidated", "could not write", "no space left", "file too large"))
+
+
+def needs_reopen(exc: BaseException) -> bool:
+    """DuckDB refuses every statement on an invalidated database until it is closed and opened again."""
+    text = str(exc).lower()
+    return isinstance(exc, duckdb.FatalException) or "invalidated" in text or "fatal" in text
+
+
+@dataclass
+class StopReport:
+    """What :meth:`EventWriter.stop` achieved: the collector logs "flushed" only when ``clean``."""
+
+    uncommitted_rows: int = 0
+    checkpoint_ok: bool = True
+    problem: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.uncommitted_rows == 0 and self.checkpoint_ok and self.problem is None
+
+
+class _Gaps:
+    """Open (unconfirmed) gaps of one stream: ranges ``[first, last]`` of missing seqs, with when each opened."""
+
+    __slots__ = ("ranges",)
+
+    def __init__(self, ranges: list[list[float]] | None = None) -> None:
+        self.ranges: list[list[float]] = ranges or []  # [first, last, opened_monotonic]
+
+    def copy(self) -> _Gaps:
+        return _Gaps([list(r) for r in self.ranges])
+
+    def open(self, first: int, last: int, now: float) -> list[tuple[int, int]]:
+        """Record a new gap; returns ranges that had to be confirmed at once (over the bound)."""
+        self.ranges.append([first, last, now])
+        overflow = []
+        while len(self.ranges) > MAX_PENDING_GAP_RANGES:
+            a, b, _ = self.ranges.pop(0)
+            overflow.append((int(a), int(b)))
+        return overflow
+
+    def fill(self, seq: int) -> bool:
+        """``seq`` arrived late: take it out of its open gap; False when no open gap holds it."""
+        for i, (a, b, t) in enumerate(self.ranges):
+            if a <= seq <= b:
+                parts = [[a, seq - 1, t]] if seq > a else []
+                if seq < b:
+                    parts.append([seq + 1, b, t])
+                self.ranges[i : i + 1] = parts
+                return True
+        return False
+
+    def expire(self, before: float) -> list[tuple[int, int]]:
+        """Confirm (remove and return) the ranges opened before ``before``."""
+        old = [(int(a), int(b)) for a, b, t in self.ranges if t <= before]
+        if old:
+            self.ranges = [r for r in self.ranges if r[2] > before]
+        return old
+
+    def low_watermark(self) -> int | None:
+        """The first missing seq, if any."""
+        return int(min(r[0] for r in self.ranges)) if self.ranges else None
+
 
 class EventWriter:
-    """Owns the read-write DuckDB connection; consumes :class:`BatchQueue` in a thread (see module docstring)."""
+    """Owns the read-write DuckDB connection; consumes :class:`BatchQueue` in a thread (see module docstring).
+
+    ``reopen`` (given by the pipeline) closes every connection to the database and opens a new one: DuckDB needs
+    that after it invalidated the database instance.
+    """
 
     def __init__(
         self,
@@ -63,20 +161,35 @@ class EventWriter:
         *,
         coalesce_rows: int = 245_760,
         coalesce_s: float = 0.1,
+        gap_grace_s: float = 5.0,
+        reopen: Callable[[], duckdb.DuckDBPyConnection] | None = None,
     ) -> None:
         self._con = con
         self._queue = queue
         self._metrics = metrics
         self._coalesce_rows = coalesce_rows
         self._coalesce_s = coalesce_s
+        self._gap_grace_s = gap_grace_s
+        self._reopen = reopen
         self._streams: dict[str, StreamState] = load_streams(con)
+        self._gaps: dict[str, _Gaps] = {}
         self._block_sizes: dict[tuple[str, str], int] = {}
         self._run_block_sizes: dict[str, int] = {}
         for st in self._streams.values():
             self._learn_block_size(st)
         self._in_flight_rows = 0
+        self._held: list[QueueItem] = []  # items of a commit that failed for a storage fault, retried in order
+        self._held_rows = 0
+        self._attempts = 0  # failed attempts in the current storage fault (paces the retries)
+        self._needs_reopen = False
+        self._reopened = 0  # reopens in the current storage fault
+        self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._rlog = RateLimitedLog(log, metrics.suppressed_log_lines)
         self.failed: BaseException | None = None
+        self.storage_problem: str | None = None
+        self.storage_failed_since: float | None = None  # time.time() of the first failed write of this episode
+        self.uncommitted_rows = 0  # rows given up at stop (storage still failing)
         self.commits = 0
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -84,31 +197,60 @@ class EventWriter:
         self._thread = threading.Thread(target=self._run, name="kvfabric-writer", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Close the queue, commit everything in it, CHECKPOINT. Producers must have stopped first."""
+    def stop(self, timeout: float | None = None) -> StopReport:
+        """Close the queue, commit everything in it, CHECKPOINT. Producers must have stopped first.
+
+        With storage failing, one last attempt is made; what still cannot be committed is reported (protocol-2
+        senders keep those batches unacknowledged and resend them to the next collector)."""
+        report = StopReport()
         self._queue.close()
+        self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("writer did not finish within %.1f s; rows still queued: %d", timeout, self.pending_rows)
-                return
+                report.problem = f"writer still busy after {timeout} s"
+                report.uncommitted_rows = self.pending_rows
+                return report
+        report.uncommitted_rows = self.uncommitted_rows
+        if self.failed is not None:
+            report.problem = f"writer thread died: {self.failed}"
+        elif self.storage_problem is not None:
+            report.problem = f"storage failing: {self.storage_problem}"
+            report.checkpoint_ok = False  # nothing to checkpoint into
+            return report
         try:
             self._con.execute("CHECKPOINT")
         except duckdb.Error as e:  # the WAL still holds the data; DuckDB replays it on the next open
-            log.warning("CHECKPOINT at shutdown failed (%s); the WAL will be replayed on next open", e)
+            report.checkpoint_ok = False
+            report.problem = report.problem or f"CHECKPOINT failed: {e}"
+            log.error("CHECKPOINT at shutdown failed (%s); committed rows are in the WAL, replayed on next open", e)
+        return report
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def healthy(self) -> bool:
+        return self.alive and self.storage_problem is None
+
+    @property
     def pending_rows(self) -> int:
-        """Rows received but not committed: queued plus the insert in progress."""
-        return self._queue.rows + self._in_flight_rows
+        """Rows received but not committed: queued, held after a storage fault, plus the insert in progress."""
+        return self._queue.rows + max(self._in_flight_rows, self._held_rows)
 
     def stream_states(self) -> dict[str, StreamState]:
         """A snapshot of the per-stream accounting as last committed (or being committed)."""
         return dict(self._streams)
+
+    def resume_seq(self, stream_id: str) -> int:
+        """HELLO's value for a connecting stream: every batch up to it is committed (or given up as a gap)."""
+        st = self._streams.get(stream_id)
+        last = st.last_seq if st is not None else -1
+        gaps = self._gaps.get(stream_id)
+        first_missing = gaps.low_watermark() if gaps is not None else None
+        return last if first_missing is None else min(last, first_missing - 1)
 
     def block_size(self, run_id: str, engine: str) -> int:
         """Block size of (run, engine) from stream metadata; the run's if the engine is unknown; else 0."""
@@ -118,28 +260,148 @@ class EventWriter:
     def _run(self) -> None:
         try:
             while True:
-                items = self._queue.get_many(self._coalesce_rows, self._coalesce_s)
+                if self._held and not self._retry_held():
+                    continue
+                items = self._queue.get_many(self._coalesce_rows, self._coalesce_s, timeout=0.5)
+                self._confirm_gaps(time.monotonic() - self._gap_grace_s)
                 if items is None:
+                    self._confirm_gaps(float("inf"))  # stopping: what is still open stays open for good
                     return
-                self._in_flight_rows = sum(i.rows for i in items)
-                try:
-                    self._commit(items)
-                finally:
-                    self._in_flight_rows = 0
+                if not items:
+                    continue
+                self._process(items)
         except BaseException as e:  # recorded for /healthz, then the thread ends loudly
             self.failed = e
             log.exception("writer thread died; ingest stops committing")
             raise
+
+    def _process(self, items: list[QueueItem]) -> None:
+        self._in_flight_rows = sum(i.rows for i in items)
+        try:
+            self._commit(items)
+        except StorageFault as e:
+            self._held = items
+            self._held_rows = sum(i.rows for i in items)
+            self._storage_failed(e)
+        finally:
+            self._in_flight_rows = 0
+
+    def _storage_failed(self, exc: BaseException) -> None:
+        self._attempts += 1
+        self._needs_reopen = self._needs_reopen or needs_reopen(exc)
+        self._metrics.storage_errors.inc()
+        self._metrics.storage_healthy.set(0)
+        first = self.storage_problem is None
+        self.storage_problem = str(exc).splitlines()[0][:300]
+        if first:
+            self.storage_failed_since = time.time()
+            held = self._held_rows
+            log.error(
+                "storage failing: %s. Ingest is held: %d rows kept for retry, no further batches are taken (the "
+                "queue is bounded; sinks keep unacknowledged batches); /healthz answers 503 until a retry commits",
+                self.storage_problem, held,
+            )
+        else:
+            self._rlog.log(logging.WARNING, "storage", "storage still failing: %s", self.storage_problem)
+
+    def _retry_held(self) -> bool:
+        """One retry of the held items after a pause (reopening the database if DuckDB invalidated it)."""
+        pause = 0.0 if self._stopping.is_set() else min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(self._attempts, 10))
+        self._stopping.wait(pause)  # stop() wakes it: one last attempt, then give up (see stop())
+        try:
+            if self._needs_reopen and self._reopen is not None:
+                self._con = self._reopen()
+                # The committed state is the truth: a COMMIT that raised may still have been durable (DuckDB says
+                # so when only its autocheckpoint failed); what it held is now recognised as duplicates.
+                self._streams = load_streams(self._con)
+                self._needs_reopen = False
+                self._reopened += 1
+            self._in_flight_rows = self._held_rows
+            self._commit(self._held)
+        except Exception as e:  # StorageFault, or the reopen failing (disk still full, file gone, ...)
+            self._storage_failed(e)
+            if self._stopping.is_set():
+                self._give_up()
+            return False
+        finally:
+            self._in_flight_rows = 0
+        since = self.storage_failed_since or time.time()
+        log.warning("storage recovered after %.1f s%s; %d held rows committed", time.time() - since,
+                    f" (database reopened {self._reopened}x)" if self._reopened else "", self._held_rows)
+        self._held = []
+        self._held_rows = 0
+        self._attempts = 0
+        self._reopened = 0
+        self.storage_problem = None
+        self.storage_failed_since = None
+        self._metrics.storage_healthy.set(1)
+        return True
+
+    def _give_up(self) -> None:
+        """Stopping with storage still failing: count what cannot be committed, drain the closed queue."""
+        lost = self._held_rows
+        self._held = []
+        self._held_rows = 0
+        while True:
+            items = self._queue.get_many(self._coalesce_rows, 0.0, timeout=0.0)
+            if not items:
+                break
+            lost += sum(i.rows for i in items)
+        self.uncommitted_rows += lost
+        log.error(
+            "stopping with storage failing (%s): %d received rows were NOT committed. Protocol-2 sinks never got "
+            "their acknowledgement and resend them to the next collector; protocol-1 sinks lost them",
+            self.storage_problem, lost,
+        )
+        self._queue.close()
 
     def _learn_block_size(self, st: StreamState) -> None:
         key = (st.run_id, st.engine)
         self._block_sizes[key] = max(st.block_size, self._block_sizes.get(key, 0))
         self._run_block_sizes[st.run_id] = max(st.block_size, self._run_block_sizes.get(st.run_id, 0))
 
-    def _apply(self, items: list[QueueItem], states: dict[str, StreamState]) -> tuple[list[pa.RecordBatch], int]:
-        """Fold items into copies of the stream states; return the batches to insert and the new gaps."""
+    # -- sequence bookkeeping -------------------------------------------------------------------------------
+    def _confirm_gaps(self, before: float) -> None:
+        """Gaps still open after the grace period are lost batches: count them now (they are already in
+        ``streams.gaps``, which says "missing so far")."""
+        for sid, gaps in list(self._gaps.items()):
+            for first, last in gaps.expire(before):
+                self._report_gap(sid, first, last)
+            if not gaps.ranges:
+                del self._gaps[sid]
+
+    def _report_gap(self, stream_id: str, first: int, last: int) -> None:
+        n = last - first + 1
+        self._metrics.sequence_gaps.inc(n)
+        self._rlog.log(logging.WARNING, f"gap:{stream_id}", "stream %r: %d batch(es) missing (seq %d..%d never "
+                       "arrived)", stream_id, n, first, last)
+
+    def _sequence(self, st: StreamState, gaps: _Gaps, seq: int, now: float) -> str:
+        """Place ``seq`` in the stream's sequence: ``"next"`` (store), ``"fill"`` (store, closes part of a gap)
+        or ``"duplicate"`` (already committed: do not store)."""
+        if seq > st.last_seq:
+            if seq > st.last_seq + 1:
+                st.gaps += seq - st.last_seq - 1
+                for first, last in gaps.open(st.last_seq + 1, seq - 1, now):
+                    self._report_gap(st.stream_id, first, last)
+            st.last_seq = seq
+            return "next"
+        if gaps.fill(seq):
+            st.gaps -= 1
+            return "fill"
+        st.duplicates += 1
+        return "duplicate"
+
+    def _apply(
+        self, items: list[QueueItem], states: dict[str, StreamState], gaps: dict[str, _Gaps]
+    ) -> tuple[list[pa.RecordBatch], int, int, list[BatchRefused]]:
+        """Fold items into copies of the stream states; return the batches to insert, the duplicates, the
+        refused rows and the refusals recorded."""
         batches: list[pa.RecordBatch] = []
-        gaps = 0
+        duplicates = 0
+        refused_rows = 0
+        refusals: list[BatchRefused] = []
+        now = time.monotonic()
         for item in items:
             if isinstance(item, StreamOpened):
                 m = item.meta
@@ -152,7 +414,7 @@ class EventWriter:
                 )
                 if old is not None:  # a reconnect: keep the accounting, refresh the metadata
                     for name in ("connections", "batches", "rows", "last_seq", "gaps", "seq_resets",
-                                 "first_ts_ns", "last_ts_ns"):
+                                 "first_ts_ns", "last_ts_ns", "duplicates", "refused_batches", "refused_rows"):
                         setattr(st, name, getattr(old, name))
                     if (old.run_id, old.engine, old.block_size) != (m.run_id, m.engine, m.block_size):
                         log.warning("stream %r reconnected with other metadata (run %r engine %r block_size %d)",
@@ -160,41 +422,47 @@ class EventWriter:
                 st.connections += 1
                 states[m.stream_id] = st
                 continue
-            assert isinstance(item, BatchReceived)
             st = states.get(item.stream_id)
             if st is None:
                 known = self._streams.get(item.stream_id)
                 if known is None:  # only if its StreamOpened failed to commit: nothing to account it against
-                    log.error("stream %r seq %d: metadata never committed, %d rows dropped",
-                              item.stream_id, item.info.seq, item.info.rows)
+                    log.error("stream %r: metadata never committed, %d rows dropped", item.stream_id, item.rows)
                     continue
                 st = _copy(known)
                 states[item.stream_id] = st
+            g = gaps.get(item.stream_id)
+            if g is None:
+                g = gaps[item.stream_id] = (self._gaps.get(item.stream_id) or _Gaps()).copy()
+            if isinstance(item, BatchRefused):
+                if item.seq is not None and self._sequence(st, g, item.seq, now) == "duplicate":
+                    duplicates += 1
+                    continue
+                st.refused_batches += 1
+                st.refused_rows += item.refused_rows
+                refused_rows += item.refused_rows
+                refusals.append(item)
+                continue
             info = item.info
-            expected = st.last_seq + 1
-            if info.seq > expected:
-                missing = info.seq - expected
-                gaps += missing
-                st.gaps += missing
-                log.warning("stream %r: %d batch(es) missing (seq %d..%d never arrived)",
-                            item.stream_id, missing, expected, info.seq - 1)
-            elif info.seq < expected:
-                # A sink restarted with the same stream id (or resent): keep the rows, follow the new numbering.
-                st.seq_resets += 1
-                log.warning("stream %r: seq went back from %d to %d; rows kept, sequence followed",
-                            item.stream_id, st.last_seq, info.seq)
-            st.last_seq = info.seq
+            placed = self._sequence(st, g, info.seq, now)
+            if placed == "duplicate":
+                duplicates += 1
+                continue
             st.batches += 1
             st.rows += info.rows
             st.last_seen_ns = item.received_ns
             st.first_ts_ns = info.min_ts_ns if st.first_ts_ns is None else min(st.first_ts_ns, info.min_ts_ns)
             st.last_ts_ns = info.max_ts_ns if st.last_ts_ns is None else max(st.last_ts_ns, info.max_ts_ns)
             batches.append(item.batch)
-        return batches, gaps
+        return batches, duplicates, refused_rows, refusals
 
+    # -- commit ---------------------------------------------------------------------------------------------
     def _commit(self, items: list[QueueItem]) -> None:
+        """Commit ``items`` in one transaction, or item by item when DuckDB refuses one for its data.
+
+        Raises :class:`StorageFault` (nothing committed by this call) when the database is at fault."""
         states: dict[str, StreamState] = {}
-        batches, gaps = self._apply(items, states)
+        gaps: dict[str, _Gaps] = {}
+        batches, duplicates, refused_rows, refusals = self._apply(items, states, gaps)
         # One contiguous chunk (a memcpy of ~40 ms per 250k rows): DuckDB then appends it as whole row groups
         # instead of scanning many small batches on parallel threads that each leave a partial row group behind
         # (measured on 2 cores: 1.2-2.1M vs 0.4-0.9M rows/s, and 37 vs 57-75 bytes/row on disk).
@@ -203,31 +471,53 @@ class EventWriter:
         try:
             aggregates, rebuilt = self._transaction(table, list(states.values()))
         except duckdb.Error as e:
+            if is_storage_fault(e):
+                raise StorageFault(str(e)) from e
             if len(items) > 1:
                 # Find the item DuckDB refuses, commit the others: one bad batch must not cost a whole window.
                 log.warning("coalesced insert of %d rows failed (%s); retrying item by item", table.num_rows, e)
                 for item in items:
                     self._commit([item])
                 return
-            where = item_label(items[0])
-            log.error("insert failed for %s, %d rows lost: %s", where, table.num_rows, e)
+            self._refuse_stored_item(items[0], e)
             return
         duration = time.perf_counter() - t0
         self._streams.update(states)
+        for sid, g in gaps.items():
+            if g.ranges:
+                self._gaps[sid] = g
+            else:
+                self._gaps.pop(sid, None)
         for st in states.values():
             self._learn_block_size(st)
         self.commits += 1
         m = self._metrics
         m.insert_duration.observe(duration)
         m.ingest_rows.inc(table.num_rows)
-        if gaps:
-            m.sequence_gaps.inc(gaps)
+        if duplicates:
+            m.duplicate_batches.inc(duplicates)
+        for r in refusals:
+            m.refused_batches.labels(reason=r.reason).inc()
+        if refused_rows:
+            m.refused_rows.inc(refused_rows)
         now_ns = time.time_ns()
         for item in items:
             if isinstance(item, BatchReceived):
                 m.ingest_lag.observe(max(0.0, (now_ns - item.info.min_ts_ns) / 1e9))
         m.record_commit(aggregates, self.block_size)
         m.observe_rebuilds(rebuilt)
+        _acknowledge(items)
+
+    def _refuse_stored_item(self, item: QueueItem, exc: duckdb.Error) -> None:
+        """DuckDB refused this one item for its data (validation let it through): count it as refused."""
+        if isinstance(item, BatchReceived):
+            self._rlog.log(logging.ERROR, "store_failed", "insert refused for %s: %s; its %d rows are counted in "
+                           "kvfabric_refused_rows_total, not stored", item_label(item), exc, item.rows)
+            if item.ack is not None:
+                item.ack.refused(item.info.seq)
+            self._commit([BatchRefused(item.stream_id, item.info.seq, item.rows, STORE_FAILED, ack=item.ack)])
+        else:
+            log.error("could not record %s: %s", item_label(item), exc)
 
     def _transaction(
         self, table: pa.Table, states: list[StreamState]
@@ -256,9 +546,26 @@ class EventWriter:
                     con.unregister("_kvf_streams")
             con.execute("COMMIT")
         except BaseException:
-            con.execute("ROLLBACK")
+            # The error to report is the one that made the transaction fail; a ROLLBACK that fails too ("no
+            # transaction is active" after a failed COMMIT, "invalidated") must not replace it.
+            try:
+                con.execute("ROLLBACK")
+            except duckdb.Error:
+                pass
             raise
         return aggregates, rebuilt
+
+
+def _acknowledge(items: list[QueueItem]) -> None:
+    """After COMMIT: tell each protocol-2 connection the newest of its batches now accounted for."""
+    newest: dict[AckChannel, int] = {}
+    for item in items:
+        if isinstance(item, (BatchReceived, BatchRefused)) and item.ack is not None:
+            seq = item.info.seq if isinstance(item, BatchReceived) else item.seq
+            if seq is not None and seq > newest.get(item.ack, -1):
+                newest[item.ack] = seq
+    for channel, seq in newest.items():
+        channel.committed(seq)
 
 
 def _copy(st: StreamState) -> StreamState:
@@ -268,5 +575,6 @@ def _copy(st: StreamState) -> StreamState:
 def item_label(item: QueueItem) -> str:
     if isinstance(item, StreamOpened):
         return f"stream {item.meta.stream_id!r} (metadata)"
+    if isinstance(item, BatchRefused):
+        return f"stream {item.stream_id!r} seq {item.seq} (refused)"
     return f"stream {item.stream_id!r} seq {item.info.seq}"
-

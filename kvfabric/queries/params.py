@@ -67,6 +67,10 @@ class Cursor:
             version, ts, key = raw.split(":")
             if version != "v1":
                 raise ValueError(version)
-            return cls(int(ts), int(key))
+            cursor = cls(int(ts), int(key))
         except (ValueError, binascii.Error, UnicodeDecodeError) as e:
             raise BadParameter(f"cursor {text[:60]!r} is not a cursor returned by this API") from e
+        # Both numbers go to SQL as BIGINT: a forged cursor outside that range is refused here, not by DuckDB.
+        if not (_INT64_MIN <= cursor.ts_ns <= _INT64_MAX and 0 <= cursor.row_key <= _INT64_MAX):
+            raise BadParameter(f"cursor {text[:60]!r} is not a cursor returned by this API (values out of range)")
+        return cursor

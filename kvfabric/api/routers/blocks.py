@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path
 
 from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import BlockHistory, ErrorBody
-from kvfabric.queries import MAX_LIMIT
+from kvfabric.api.params import RunFilter, limit_query
 
 router = APIRouter(tags=["blocks"])
 
@@ -20,9 +20,9 @@ router = APIRouter(tags=["blocks"])
     summary="Every event of one block hash (16 hex digits, 0x-hex, or signed decimal)",
 )
 def block_history(
-    block_hash: str,
+    block_hash: Annotated[str, Path(max_length=64, description="16 hex digits, 0x-hex, or signed decimal")],
     runner: Runner,
-    run: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 1000,
+    run: RunFilter = None,
+    limit: Annotated[int, limit_query(1000)] = 1000,
 ) -> dict[str, object]:
     return runner.block_history(block_hash, run=run, limit=limit)

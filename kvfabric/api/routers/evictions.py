@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 
 from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import ErrorBody, EvictionPage
-from kvfabric.queries import MAX_LIMIT
+from kvfabric.api.params import CursorParam, EngineFilter, FamilyFilter, RunFilter, SinceNs, UntilNs, limit_query
 
 router = APIRouter(tags=["evictions"])
 
@@ -21,13 +21,13 @@ router = APIRouter(tags=["evictions"])
 )
 def list_evictions(
     runner: Runner,
-    run: str | None = None,
-    family: str | None = None,
-    engine: str | None = None,
-    since_ns: Annotated[int | None, Query(description="inclusive lower bound on ts_ns")] = None,
-    until_ns: Annotated[int | None, Query(description="exclusive upper bound on ts_ns")] = None,
-    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 1000,
-    cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
+    cursor: CursorParam,
+    run: RunFilter = None,
+    family: FamilyFilter = None,
+    engine: EngineFilter = None,
+    since_ns: SinceNs = None,
+    until_ns: UntilNs = None,
+    limit: Annotated[int, limit_query(1000)] = 1000,
 ) -> dict[str, object]:
     return runner.evictions(
         run=run, family=family, engine=engine, since_ns=since_ns, until_ns=until_ns, limit=limit, cursor=cursor

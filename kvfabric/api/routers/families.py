@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import ErrorBody, FamilyDetail, FamilyStats
-from kvfabric.queries import MAX_LIMIT
+from kvfabric.api.params import MAX_TEXT, NoNul, PathText, RequiredRun, limit_query
 
 router = APIRouter(tags=["families"])
 
@@ -21,8 +21,9 @@ router = APIRouter(tags=["families"])
 )
 def list_families(
     runner: Runner,
-    run: Annotated[str | None, Query(description="run id; every run when omitted (slower)")] = None,
-    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 100,
+    run: Annotated[str | None, Query(max_length=MAX_TEXT, description="run id; every run when omitted (slower)"),
+                   NoNul] = None,
+    limit: Annotated[int, limit_query(100)] = 100,
 ) -> list[dict[str, object]]:
     return runner.families(run=run, limit=limit)
 
@@ -33,7 +34,5 @@ def list_families(
     responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}},
     summary="One family of one run, with evictions and rebuilds by depth",
 )
-def family_detail(
-    family: str, runner: Runner, run: Annotated[str, Query(min_length=1, description="run id")]
-) -> dict[str, object]:
+def family_detail(family: PathText, runner: Runner, run: RequiredRun) -> dict[str, object]:
     return runner.family_detail(run=run, family=family)

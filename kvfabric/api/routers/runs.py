@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 
 from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import Comparison, ErrorBody, RunInfo, RunSummary
+from kvfabric.api.params import NoNul, PathText, text_query
 
 router = APIRouter(tags=["runs"])
 
@@ -20,10 +21,10 @@ def list_runs(runner: Runner) -> list[dict[str, object]]:
 @router.get(
     "/runs/{run_id}/summary",
     response_model=RunSummary,
-    responses={404: {"model": ErrorBody}},
+    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}},
     summary="Analytics summary of one run (docs/design.md §5)",
 )
-def run_summary(run_id: str, runner: Runner) -> dict[str, object]:
+def run_summary(run_id: PathText, runner: Runner) -> dict[str, object]:
     return runner.run_summary(run_id)
 
 
@@ -35,7 +36,7 @@ def run_summary(run_id: str, runner: Runner) -> dict[str, object]:
 )
 def compare(
     runner: Runner,
-    a: Annotated[str, Query(min_length=1, description="baseline run id")],
-    b: Annotated[str, Query(min_length=1, description="run compared with a")],
+    a: Annotated[str, text_query("baseline run id", required=True), NoNul],
+    b: Annotated[str, text_query("run compared with a", required=True), NoNul],
 ) -> dict[str, object]:
     return runner.compare(a, b)

@@ -1,4 +1,8 @@
-"""/healthz (never behind the token: orchestrators probe it) and /metrics (Prometheus text)."""
+"""/healthz (never behind the token: orchestrators probe it) and /metrics (Prometheus text).
+
+/healthz tells anyone whether the collector is healthy, and only authenticated callers where its files are (paths
+and DuckDB error texts, which name files): it must not map the host for whoever can reach the port.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,16 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvfabric.api.dependencies import require_token
+from kvfabric.api.dependencies import Authenticated, require_token
 from kvfabric.api.models import Health
 
 router = APIRouter(tags=["system"])
 
 
 @router.get("/healthz", response_model=Health, responses={503: {"model": Health}})
-def healthz(request: Request) -> JSONResponse:
+def healthz(request: Request, authenticated: Authenticated) -> JSONResponse:
     health = request.app.state.health
-    body = health() if health is not None else {"status": "ok"}
+    body = health(authenticated) if health is not None else {"status": "ok"}
     code = 200 if body["status"] == "ok" else 503
     return JSONResponse(Health(**body).model_dump(exclude_none=True), status_code=code)
 
