@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "query": ("kvfabric.collector.query", "run a named family-analytics query against a DuckDB file"),
     "export": ("kvfabric.collector.export", "export events to hive-partitioned Parquet (by run)"),
     "replay": ("kvfabric.sim.replay", "replay a hash_ids trace through vLLM's real scheduler under a policy"),
+    "learn": ("kvfabric.learn.cli", "fit the learned policy's reuse model on a trace or a recorded run"),
 }
 
 _EPILOG = """\

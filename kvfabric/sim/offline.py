@@ -319,15 +319,40 @@ def simulate(
     """Replay ``trace`` sequentially through an :class:`OfflineCache`; returns the replay's JSON fields.
 
     ``anchor_blocks > 0`` turns the admission gate on (as ``KVFABRIC_ADMISSION_ANCHOR_BLOCKS``). ``progress``, if
-    given, is an iterator advanced once per request (e.g. a tqdm bar's ``update`` via ``iter``).
+    given, is an iterator advanced once per request (e.g. a tqdm bar's ``update`` via ``iter``). ``settings``
+    reach the policy (e.g. the learned policy's ``model_path``).
     """
     if TRACE_BLOCK_TOKENS % block_size:
         raise ValueError(f"block_size must divide {TRACE_BLOCK_TOKENS}")
     keys_all = [block_keys(r, block_size) for r in trace]
+    outputs = [r.output_length if max_output_tokens is None else min(max(1, r.output_length), max_output_tokens)
+               for r in trace]
+    return replay_chains(keys_all, [r.input_length for r in trace], outputs, policy, num_blocks,
+                         block_size=block_size, concurrency=concurrency, anchor_blocks=anchor_blocks,
+                         settings=settings, progress=progress, max_output_tokens=max_output_tokens)
+
+
+def replay_chains(
+    chains: Sequence[Sequence[int]],
+    input_lengths: Sequence[int],
+    output_tokens: Sequence[int],
+    policy: str | EvictionPolicy,
+    num_blocks: int,
+    *,
+    block_size: int = 16,
+    concurrency: int = 1,
+    anchor_blocks: int = 0,
+    settings: PolicySettings | None = None,
+    progress: Iterable[Any] | None = None,
+    max_output_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The replay of :func:`simulate` on ready-made block identities: request ``i`` has the full prompt blocks
+    ``chains[i]`` (prefix-chained identities, as :func:`block_keys` makes or as digests recorded by the hook),
+    a prompt of ``input_lengths[i]`` tokens and ``output_tokens[i]`` tokens of decode."""
     if isinstance(policy, EvictionPolicy):
         pol = policy
     else:
-        pol = make_policy(policy, settings, oracle=occurrences_of(keys_all) if policy == "optimal" else None)
+        pol = make_policy(policy, settings, oracle=occurrences_of(chains) if policy == "optimal" else None)
     gate = AnchorAdmissionGate(anchor_blocks) if anchor_blocks > 0 else None
     cache = OfflineCache(num_blocks, pol, block_size, gate)
     window: list[tuple[int, list[int]]] = []
@@ -336,9 +361,8 @@ def simulate(
         i, slots = window.pop(0)
         cache.finish(slots, RequestInfo(f"r{i}", position=i))
 
-    for i, req in enumerate(trace):
-        out = req.output_length if max_output_tokens is None else min(max(1, req.output_length), max_output_tokens)
-        slots, _ = cache.admit(f"r{i}", keys_all[i], req.input_length, out, RequestInfo(f"r{i}", position=i))
+    for i, keys in enumerate(chains):
+        slots, _ = cache.admit(f"r{i}", keys, input_lengths[i], output_tokens[i], RequestInfo(f"r{i}", position=i))
         window.append((i, slots))
         while len(window) >= concurrency:
             finish_oldest()
@@ -353,4 +377,7 @@ def simulate(
     out_dict["concurrency"] = concurrency
     out_dict["max_output_tokens"] = max_output_tokens
     out_dict["admission_anchor_blocks"] = anchor_blocks
+    describe = pol.describe()
+    if len(describe) > 1:
+        out_dict["policy_state"] = describe
     return out_dict
