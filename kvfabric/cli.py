@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("kvfabric.collector.export", "export events to hive-partitioned Parquet (by run)"),
     "replay": ("kvfabric.sim.replay", "replay a hash_ids trace through vLLM's real scheduler under a policy"),
     "whatif": ("kvfabric.analysis.whatif", "replay a recorded run under another policy or capacity, and the optimum"),
+    "learn": ("kvfabric.learn.cli", "fit the learned policy's reuse model on a trace or a recorded run"),
 }
 
 _EPILOG = """\

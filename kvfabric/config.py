@@ -60,6 +60,7 @@ class HookSettings:
     cache_aware_scheduling: bool = False
     family_from_request_id: bool = False  # KVFABRIC_FAMILY_FROM_REQUEST_ID: "<family>/<rest>" request ids (opt-in)
     admission_gate_explicit: bool = False  # KVFABRIC_ADMISSION_ANCHOR_BLOCKS was set
+    policy_model: str = ""  # KVFABRIC_POLICY_MODEL: the learned policy's model file ("" = the built-in default)
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -88,6 +89,7 @@ class HookSettings:
             "regret_window_s": self.regret_window_s,
             "cache_aware_scheduling": self.cache_aware_scheduling,
             "family_from_request_id": self.family_from_request_id,
+            "policy_model": self.policy_model,
         }
 
 
@@ -104,6 +106,30 @@ def _int(env: Mapping[str, str], name: str, default: int, warnings: list[str], m
         warnings.append(f"{name}={value} is below {minimum}; using {default}")
         return default
     return value
+
+
+def _policy_model(path: str, policy: str, warnings: list[str]) -> str | None:
+    """``KVFABRIC_POLICY_MODEL``, checked once here so a bad file never reaches vLLM's scheduler: an unreadable or
+    invalid file falls back to the built-in model (one warning); None when the learned policy has no usable model
+    at all (it then falls back to lru)."""
+    if not path and policy != "learned":
+        return ""
+    from kvfabric.policies.reuse_model import ModelError, load_model
+
+    if path:
+        try:
+            load_model(path)
+            return path
+        except ModelError as exc:
+            warnings.append(f"KVFABRIC_POLICY_MODEL: {exc}; using the built-in model")
+    if policy != "learned":
+        return ""
+    try:
+        load_model(None)
+    except ModelError as exc:
+        warnings.append(f"the learned policy's built-in model is unusable ({exc}); using lru")
+        return None
+    return ""
 
 
 def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
@@ -124,6 +150,10 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
     if policy not in POLICY_NAMES:
         warnings.append(f"KVFABRIC_EVICTION_POLICY={policy!r} is unknown (known: {', '.join(POLICY_NAMES)}); using lru")
         policy = "lru"
+    policy_model = _policy_model(env.get("KVFABRIC_POLICY_MODEL", "").strip(), policy, warnings)
+    if policy_model is None:
+        policy = "lru"
+        policy_model = ""
     try:
         regret = float(env.get("KVFABRIC_REGRET_WINDOW_S", "60") or 60)
     except ValueError:
@@ -145,5 +175,6 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
         cache_aware_scheduling=env.get("KVFABRIC_CACHE_AWARE_SCHEDULING", "").strip().lower() in _TRUE,
         family_from_request_id=env.get("KVFABRIC_FAMILY_FROM_REQUEST_ID", "").strip().lower() in _TRUE,
         admission_gate_explicit=bool(env.get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS", "").strip()),
+        policy_model=policy_model,
         warnings=tuple(warnings),
     )

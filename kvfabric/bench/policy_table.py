@@ -5,16 +5,20 @@ One command (``python -m kvfabric.bench.policy_table``) runs:
 1. the sweep: every policy, LRU and the optimum at capacities from 2% to 50% of each trace's unique blocks, on
    the whole of each trace, in fast mode (:mod:`kvfabric.sim.offline`, vLLM's 16-token blocks);
 2. the agreement check: real scheduler (vLLM, hook on) against fast mode on the first ``--real-limit`` rows of
-   each trace at two capacities, for LRU, adaptive_aging and the optimum;
+   each trace at two capacities, for LRU, adaptive_aging, learned (built-in model) and the optimum;
 3. a robustness check on data the design did not look at as a whole: the first 1500 rows of each trace (a
    different mix: fewer returning sessions), 512-token blocks;
 4. the admission gate's effect (``KVFABRIC_ADMISSION_ANCHOR_BLOCKS=24``) on LRU and adaptive_aging.
 
-5. the whole traces through vLLM's real scheduler at ``--real-full-fractions`` (LRU, adaptive_aging, optimum).
+5. the whole traces through vLLM's real scheduler at ``--real-full-fractions`` (LRU, adaptive_aging, optimum);
+6. ``learned``: reuse models learned from one trace (and from each half of each trace) replayed on the other
+   (:mod:`kvfabric.bench.learned_table`), in fast mode; the models go to ``benchmarks/results/policy_models/``;
+7. ``learnedreal``: the across-traces models through vLLM's real scheduler at ``--real-full-fractions``.
 
 Raw results go to ``benchmarks/results/policy_sweep.json`` (``--reuse`` re-renders from it without rerunning;
 ``--sections`` reruns only some parts). Runtime on 2 cores: about 20 minutes for the sweep, 2 for the
-agreement runs, 20 for the whole traces through the real scheduler (3 minutes and 6 GB each).
+agreement runs, 20 for the whole traces through the real scheduler (3 minutes and 6 GB each), about 30 for the
+learned policy's models and held-out replays, 10 for those through the real scheduler.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvfabric.bench import learned_table
+
 # Relative to the repository root (run from there): the traces sit beside the checkout, too big to carry in it.
 DEFAULT_TRACES = (
     "../shared/traces/mooncake_conversation_first_half.jsonl",
@@ -42,29 +48,36 @@ OURS = "adaptive_aging"
 
 
 @functools.lru_cache(maxsize=4)
-def _trace(path: str, limit: int | None) -> Any:
+def _whole(path: str) -> Any:
     from kvfabric.sim.offline import load_trace
 
-    return load_trace(path, limit)
+    return load_trace(path)
 
 
-def _unique(path: str, limit: int | None, block_size: int) -> int:
+def _trace(path: str, limit: int | None, skip: int = 0) -> Any:
+    rows = _whole(path)
+    return rows[skip:] if limit is None else rows[skip:skip + limit]
+
+
+def _unique(path: str, limit: int | None, block_size: int, skip: int = 0) -> int:
     from kvfabric.sim.offline import unique_blocks
 
-    return unique_blocks(_trace(path, limit), block_size)
+    return unique_blocks(_trace(path, limit, skip), block_size)
 
 
-def _floor(path: str, limit: int | None, block_size: int) -> int:
+def _floor(path: str, limit: int | None, block_size: int, skip: int = 0) -> int:
     """The smallest pool that can hold the trace's longest request (vLLM's null block and one output token too)."""
-    return max(-(-(r.input_length + 1) // block_size) for r in _trace(path, limit)) + 2
+    return max(-(-(r.input_length + 1) // block_size) for r in _trace(path, limit, skip)) + 2
 
 
 def _fast(task: dict[str, Any]) -> dict[str, Any]:
+    from kvfabric.policies.base import PolicySettings
     from kvfabric.sim.offline import simulate
 
     t0 = time.perf_counter()
-    out = simulate(_trace(task["trace"], task.get("limit")), task["policy"], task["num_blocks"],
-                   block_size=task["block_size"], anchor_blocks=task.get("anchor", 0))
+    out = simulate(_trace(task["trace"], task.get("limit"), task.get("skip", 0)), task["policy"],
+                   task["num_blocks"], block_size=task["block_size"], anchor_blocks=task.get("anchor", 0),
+                   settings=PolicySettings(model_path=task.get("model")))
     out.update(task)
     out["wall_s"] = time.perf_counter() - t0
     return out
@@ -74,7 +87,7 @@ def _real(task: dict[str, Any]) -> dict[str, Any]:
     from kvfabric.sim.replay import replay_real
 
     out = replay_real(task["trace"], task["policy"], task["num_blocks"], limit=task["limit"],
-                      block_size=task["block_size"], progress=False)
+                      block_size=task["block_size"], progress=False, policy_model=task.get("model"))
     out.update(task)
     return out
 
@@ -104,12 +117,13 @@ def _run(fn: Any, tasks: list[dict[str, Any]], jobs: int, label: str) -> list[di
     return results
 
 
-SECTIONS = ("sweep", "robust", "agree", "realfull")
+SECTIONS = ("sweep", "robust", "agree", "realfull", "learned", "learnedreal")
 
 
 def run_all(traces: Sequence[str], fractions: Sequence[float], block_size: int, jobs: int,
             real_limit: int, real_full_fractions: Sequence[float], sections: Sequence[str] = SECTIONS,
-            previous: dict[str, Any] | None = None) -> dict[str, Any]:
+            previous: dict[str, Any] | None = None,
+            models_dir: str = learned_table.MODELS_DIR) -> dict[str, Any]:
     """Run the requested sections; sections not run are taken from ``previous`` (a loaded results file)."""
     sweep_tasks = []
     meta: dict[str, Any] = {"traces": {}}
@@ -136,7 +150,7 @@ def run_all(traces: Sequence[str], fractions: Sequence[float], block_size: int, 
     for tr in traces:
         unique = _unique(tr, real_limit, block_size)
         for f in (0.05, 0.20):
-            for p in ("lru", OURS, "optimal"):
+            for p in ("lru", OURS, "learned", "optimal"):  # learned: its built-in model (the modes must agree)
                 n = max(int(unique * f), _floor(tr, real_limit, block_size))
                 agree_tasks.append({"trace": tr, "limit": real_limit, "fraction": f, "num_blocks": n,
                                     "policy": p, "block_size": block_size, "anchor": 0})
@@ -164,6 +178,20 @@ def run_all(traces: Sequence[str], fractions: Sequence[float], block_size: int, 
         out["full_real"] = _run(_real, full_tasks, jobs, "whole traces: real scheduler")
     else:
         out["full_real"] = prev.get("full_real", [])
+    if "learned" in sections:
+        out["learned_models"] = _run(learned_table.train, learned_table.model_tasks(traces, block_size, models_dir),
+                                     jobs, "learned: models")
+        out["learned_eval"] = _run(_fast, learned_table.eval_tasks(traces, fractions, block_size, models_dir,
+                                                                   _unique, _floor), jobs, "learned: held out")
+    else:
+        out["learned_models"] = prev.get("learned_models", [])
+        out["learned_eval"] = prev.get("learned_eval", [])
+    if "learnedreal" in sections:
+        out["learned_real"] = _run(_real, learned_table.real_tasks(traces, real_full_fractions, block_size,
+                                                                   models_dir, _unique, _floor),
+                                   jobs, "learned: real scheduler")
+    else:
+        out["learned_real"] = prev.get("learned_real", [])
     runtime = dict(prev.get("meta", {}).get("section_runtime_s", {}))
     runtime[",".join(sections)] = time.time() - t0
     meta.update({
@@ -302,6 +330,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("")
     w("![share of the LRU-to-optimum gap closed](policy-gap-closed.png)")
     w("")
+    learned_table.render(data, w, plots_dir)
     if data.get("full_real"):
         w("### Whole traces through vLLM's real scheduler")
         w("")
@@ -400,6 +429,11 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
                     ys.append(r["prefix_hit_rate"] * 100)
             color, marker = styles[p]
             ax.plot(xs, ys, marker=marker or None, color=color, linestyle="--" if p == "optimal" else "-", label=p)
+        held = sorted((r for r in data.get("learned_eval", []) if r.get("split") == "trace" and r["trace"] == tr),
+                      key=lambda r: r["fraction"])
+        if held:
+            ax.plot([r["fraction"] * 100 for r in held], [r["prefix_hit_rate"] * 100 for r in held], marker="v",
+                    color="tab:blue", label=f"learned (model of {_short(held[0]['trained_on'])})")
         ax.set_xscale("log")
         ax.set_xticks([f * 100 for f in meta["fractions"]])
         ax.set_xticklabels([f"{f:.0%}" for f in meta["fractions"]])
@@ -471,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         full = [float(f) for f in args.real_full_fractions.split(",") if f.strip()]
         sections = [s for s in args.sections.split(",") if s]
         data = run_all(args.traces, fractions, args.block_size, args.jobs, args.real_limit, full, sections,
-                       previous)
+                       previous, models_dir=str(data_path.parent / "policy_models"))
         data_path.parent.mkdir(parents=True, exist_ok=True)
         data_path.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
     Path(args.plots).mkdir(parents=True, exist_ok=True)

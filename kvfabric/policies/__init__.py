@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvfabric.policies.base import EvictionPolicy, PolicySettings
 
-POLICY_NAMES: tuple[str, ...] = ("lru", "family_protect", "shared_aware", "adaptive_aging")
+POLICY_NAMES: tuple[str, ...] = ("lru", "family_protect", "shared_aware", "adaptive_aging", "learned")
 """Policies a live server can run (``KVFABRIC_EVICTION_POLICY``; config.py validates against this tuple)."""
 
 ORACLE_POLICIES: tuple[str, ...] = ("optimal",)
@@ -25,11 +25,14 @@ ALL_POLICIES: tuple[str, ...] = (*POLICY_NAMES, *ORACLE_POLICIES)
 def make_policy(name: str, settings: PolicySettings | Any | None = None, *, oracle: Any = None) -> EvictionPolicy:
     """The policy called ``name``; ``settings`` is a :class:`PolicySettings` or the hook's ``HookSettings``.
 
+    ``learned`` reads its model from ``settings.model_path`` (the built-in default when unset); a bad model file
+    raises :class:`~kvfabric.policies.reuse_model.ModelError` (a ``ValueError``).
     ``oracle`` is what an oracle policy needs (for ``optimal``: ``{digest: [request positions]}``, see
     :func:`kvfabric.policies.optimal.occurrences_of`).
     """
     from kvfabric.policies import builtin
     from kvfabric.policies.base import PolicySettings
+    from kvfabric.policies.learned import LearnedPolicy
     from kvfabric.policies.optimal import OptimalPolicy
 
     if settings is not None and not isinstance(settings, PolicySettings):
@@ -43,6 +46,7 @@ def make_policy(name: str, settings: PolicySettings | Any | None = None, *, orac
         "family_protect": builtin.FamilyProtectPolicy,
         "shared_aware": builtin.SharedAwarePolicy,
         "adaptive_aging": builtin.AdaptiveAgingPolicy,
+        "learned": LearnedPolicy,
     }
     try:
         cls = classes[name]

@@ -67,10 +67,13 @@ class PolicySettings:
     """The knobs a policy may read (a subset of :class:`kvfabric.config.HookSettings`)."""
 
     protect_min_hit_count: int = 1
+    #: The ``learned`` policy's reuse model (``KVFABRIC_POLICY_MODEL``); None = the model shipped with the package.
+    model_path: str | None = None
 
     @classmethod
     def from_hook_settings(cls, settings: Any) -> PolicySettings:
-        return cls(protect_min_hit_count=int(getattr(settings, "protect_min_hit_count", 1)))
+        return cls(protect_min_hit_count=int(getattr(settings, "protect_min_hit_count", 1)),
+                   model_path=getattr(settings, "policy_model", None) or None)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,9 @@ class EvictionPolicy(ABC):
 
     def bind(self, num_blocks: int) -> None:  # noqa: B027
         """Called once by the index with the pool size (policies with per-block state allocate it here)."""
+
+    def bind_index(self, index: Any) -> None:  # noqa: B027
+        """Called once by the index, after :meth:`bind`, with itself (read-only use: e.g. which blocks it holds)."""
 
     # ---- optional observers (per request, never per block on the hot path) --------------------------------
 

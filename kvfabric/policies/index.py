@@ -51,6 +51,7 @@ class VictimIndex(ABC):
         self.link = [-1] * num_blocks
         self.descents = 0  # pops that had to walk below the chosen block (diagnostics)
         policy.bind(num_blocks)
+        policy.bind_index(self)
 
     def __len__(self) -> int:
         return self.size

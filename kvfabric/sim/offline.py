@@ -321,12 +321,37 @@ def simulate(
     """Replay ``trace`` sequentially through an :class:`OfflineCache`; returns the replay's JSON fields.
 
     ``anchor_blocks > 0`` turns the admission gate on (as ``KVFABRIC_ADMISSION_ANCHOR_BLOCKS``). ``progress``, if
-    given, is an iterator advanced once per request (e.g. a tqdm bar's ``update`` via ``iter``).
-    ``trace_block_tokens``: tokens per hash id of ``trace`` (a recorded run replays with its own block size).
+    given, is an iterator advanced once per request (e.g. a tqdm bar's ``update`` via ``iter``). ``settings``
+    reach the policy (e.g. the learned policy's ``model_path``). ``trace_block_tokens``: tokens per hash id of
+    ``trace`` (a recorded run replays with its own block size).
     """
     if trace_block_tokens % block_size:
         raise ValueError(f"block_size must divide {trace_block_tokens}")
     keys_all = [block_keys(r, block_size, trace_block_tokens) for r in trace]
+    outputs = [r.output_length if max_output_tokens is None else min(max(1, r.output_length), max_output_tokens)
+               for r in trace]
+    return replay_chains(keys_all, [r.input_length for r in trace], outputs, policy, num_blocks,
+                         block_size=block_size, concurrency=concurrency, anchor_blocks=anchor_blocks,
+                         settings=settings, progress=progress, max_output_tokens=max_output_tokens)
+
+
+def replay_chains(
+    chains: Sequence[Sequence[int]],
+    input_lengths: Sequence[int],
+    output_tokens: Sequence[int],
+    policy: str | EvictionPolicy,
+    num_blocks: int,
+    *,
+    block_size: int = 16,
+    concurrency: int = 1,
+    anchor_blocks: int = 0,
+    settings: PolicySettings | None = None,
+    progress: Iterable[Any] | None = None,
+    max_output_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The replay of :func:`simulate` on ready-made block identities: request ``i`` has the full prompt blocks
+    ``chains[i]`` (prefix-chained identities, as :func:`block_keys` makes or as digests recorded by the hook),
+    a prompt of ``input_lengths[i]`` tokens and ``output_tokens[i]`` tokens of decode."""
     if isinstance(policy, EvictionPolicy):
         pol = policy
     else:
@@ -334,8 +359,8 @@ def simulate(
         if policy == "optimal":
             # A use is a position a request can hit: vLLM always recomputes the prompt's last token, so a block
             # ending at or past it is sealed again but never hit (counting it as a use misleads the optimum).
-            oracle = occurrences_of(keys[: max(0, (r.input_length - 1) // block_size)]
-                                    for keys, r in zip(keys_all, trace, strict=True))
+            oracle = occurrences_of(keys[: max(0, (n - 1) // block_size)]
+                                    for keys, n in zip(chains, input_lengths, strict=True))
         pol = make_policy(policy, settings, oracle=oracle)
     gate = AnchorAdmissionGate(anchor_blocks) if anchor_blocks > 0 else None
     cache = OfflineCache(num_blocks, pol, block_size, gate)
@@ -345,9 +370,8 @@ def simulate(
         i, slots = window.pop(0)
         cache.finish(slots, RequestInfo(f"r{i}", position=i))
 
-    for i, req in enumerate(trace):
-        out = req.output_length if max_output_tokens is None else min(max(1, req.output_length), max_output_tokens)
-        slots, _ = cache.admit(f"r{i}", keys_all[i], req.input_length, out, RequestInfo(f"r{i}", position=i))
+    for i, keys in enumerate(chains):
+        slots, _ = cache.admit(f"r{i}", keys, input_lengths[i], output_tokens[i], RequestInfo(f"r{i}", position=i))
         window.append((i, slots))
         while len(window) >= concurrency:
             finish_oldest()
@@ -362,4 +386,7 @@ def simulate(
     out_dict["concurrency"] = concurrency
     out_dict["max_output_tokens"] = max_output_tokens
     out_dict["admission_anchor_blocks"] = anchor_blocks
+    describe = pol.describe()
+    if len(describe) > 1:
+        out_dict["policy_state"] = describe
     return out_dict

@@ -131,8 +131,11 @@ def replay_real(
     run_id: str | None = None,
     progress: bool = True,
     policy_settings: dict[str, Any] | None = None,
+    policy_model: str | None = None,
 ) -> dict[str, Any]:
-    """Replay ``trace`` through vLLM's real scheduler; returns the JSON object ``kvfabric replay`` prints."""
+    """Replay ``trace`` through vLLM's real scheduler; returns the JSON object ``kvfabric replay`` prints.
+
+    ``policy_model``: the learned policy's model file (None = the built-in one)."""
     from kvfabric.config import HookSettings
     from kvfabric.hook.install import build_hook, engine_id
     from kvfabric.sim.harness import SimulatedEngine, build_scheduler, make_request
@@ -157,6 +160,7 @@ def replay_real(
         admission_gate_explicit=admission_anchor_blocks > 0,
         cache_aware_scheduling=cache_aware_scheduling,
         run_id=run,
+        policy_model=policy_model or "",
         **(policy_settings or {}),
     )
     # Trace prompts reach ~120k tokens, past the bundled model's 32k positions; the model is simulated, so the
@@ -287,8 +291,10 @@ def replay_fast(
     block_size: int = 16,
     admission_anchor_blocks: int = 0,
     progress: bool = True,
+    policy_model: str | None = None,
 ) -> dict[str, Any]:
     """The same replay in :mod:`kvfabric.sim.offline` (block level, no vLLM)."""
+    from kvfabric.policies.base import PolicySettings
     from kvfabric.sim.offline import load_trace, simulate
 
     rows = load_trace(trace, limit)
@@ -304,7 +310,8 @@ def replay_fast(
             bar = None
     t0 = time.perf_counter()
     out = simulate(rows, policy, num_blocks, block_size=block_size, max_output_tokens=max_output_tokens,
-                   concurrency=concurrency, anchor_blocks=admission_anchor_blocks, progress=ticks)
+                   concurrency=concurrency, anchor_blocks=admission_anchor_blocks, progress=ticks,
+                   settings=PolicySettings(model_path=policy_model or None))
     if bar is not None:
         bar.close()
     out["trace"] = os.path.basename(trace)
@@ -325,6 +332,8 @@ def _ticker(bar: Any) -> Iterator[None]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="hash_ids JSONL trace (Mooncake format)")
     parser.add_argument("--policy", default="lru", choices=REPLAY_POLICIES, help="eviction policy (default lru)")
+    parser.add_argument("--policy-model", default=None, metavar="MODEL",
+                        help="the learned policy's reuse model (kvfabric learn --out MODEL; default: the built-in one)")
     parser.add_argument("--num-blocks", type=int, required=True,
                         help="KV pool size in blocks (vLLM counts its null block in it)")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first K rows")
@@ -362,6 +371,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.policy_model:
+        from kvfabric.policies.reuse_model import load_model
+
+        if args.policy != "learned":
+            print("kvfabric replay: --policy-model goes with --policy learned", file=sys.stderr)
+            return 2
+        load_model(args.policy_model)  # a ModelError (ValueError) here is one line and exit 2
     if args.fast:
         if args.collector:
             print("kvfabric replay: --collector needs the real scheduler (drop --fast)", file=sys.stderr)
@@ -372,7 +388,7 @@ def _run(args: argparse.Namespace) -> int:
         out = replay_fast(args.trace, args.policy, args.num_blocks, limit=args.limit,
                           max_output_tokens=args.max_output_tokens, concurrency=args.concurrency,
                           block_size=args.block_size, admission_anchor_blocks=args.admission_anchor_blocks,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, policy_model=args.policy_model)
     else:
         out = replay_real(args.trace, args.policy, args.num_blocks, limit=args.limit,
                           max_output_tokens=args.max_output_tokens, concurrency=args.concurrency,
@@ -380,7 +396,7 @@ def _run(args: argparse.Namespace) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           admission_anchor_blocks=args.admission_anchor_blocks,
                           cache_aware_scheduling=args.cache_aware_scheduling, latency=args.latency,
-                          run_id=args.run_id, progress=not args.no_progress)
+                          run_id=args.run_id, progress=not args.no_progress, policy_model=args.policy_model)
     if args.format == "json":
         print(json.dumps(out, sort_keys=True))
     else:
