@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "query": ("kvfabric.collector.query", "run a named family-analytics query against a DuckDB file"),
     "export": ("kvfabric.collector.export", "export events to hive-partitioned Parquet (by run)"),
     "replay": ("kvfabric.sim.replay", "replay a hash_ids trace through vLLM's real scheduler under a policy"),
+    "bench": ("kvfabric.bench.command", "pressure benchmark against any OpenAI-compatible server (modes, scenarios)"),
+    "sim-serve": ("kvfabric.sim.serve", "vLLM's real OpenAI server on CPU with a simulated model (H200 timings)"),
 }
 
 _EPILOG = """\
