@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("kvfabric.collector.export", "export events to hive-partitioned Parquet (by run)"),
     "replay": ("kvfabric.sim.replay", "replay a hash_ids trace through vLLM's real scheduler under a policy"),
     "bench": ("kvfabric.bench.command", "pressure benchmark against any OpenAI-compatible server (modes, scenarios)"),
+    "ab": ("kvfabric.bench.ab", "A/B policies on a scenario: fresh servers, one collector, Markdown + PNG report"),
     "sim-serve": ("kvfabric.sim.serve", "vLLM's real OpenAI server on CPU with a simulated model (H200 timings)"),
 }
 
