@@ -69,6 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="override the scenario's sim-serve latency scale")
     parser.add_argument("--port", type=int, default=0, help="server port (default: a free one per arm)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for each server")
+    parser.add_argument("--overlap-start", action="store_true",
+                        help="start the next arm's server while the current arm runs (hides start-up time where "
+                             "it is scarce, e.g. a GPU; the start-up then competes with the running arm)")
     parser.add_argument("--report-only", action="store_true", help="re-render the report of an existing --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -115,6 +118,8 @@ def _validate(args: argparse.Namespace) -> tuple[Scenario, list[str]]:
         raise ScenarioError("--repeat must be >= 1")
     if args.serve_cmd is not None:
         check_serve_cmd(args.serve_cmd)
+    if args.overlap_start and args.port:
+        raise ScenarioError("--overlap-start runs two servers at once: it needs a free port per arm (drop --port)")
     scenario = load_scenario(args.scenario)
     if args.seed is not None:
         scenario = replace(scenario, seed=args.seed)
@@ -165,34 +170,56 @@ def run_arms(args: argparse.Namespace, scenario: Scenario, policies: list[str], 
     plan: dict[str, Any] = {
         "scenario": scenario.as_dict(), "policies": policies, "repeat": args.repeat, "seed": scenario.seed,
         "server": "sim-serve" if args.serve_cmd is None else "serve-cmd", "serve_cmd": args.serve_cmd,
+        "overlap_start": bool(args.overlap_start),
         "machine": _machine(), "started_at": datetime.now().isoformat(timespec="seconds"),
         "command": "kvfabric " + " ".join(sys.argv[1:]) if sys.argv else "", "arms": [],
     }
     order = _arm_order(policies, args.repeat)
+    run_ids = [f"{scenario.name}-{policy}-r{rep + 1}-{stamp}" for rep, policy in order]
+
+    def make_server(i: int) -> tuple[ServerProcess, list[str], str]:
+        _rep, policy = order[i]
+        port = args.port or _free_port()
+        arm = ArmSettings(port=port, policy=policy, run_id=run_ids[i], socket=sock, kv_blocks=srv.kv_blocks,
+                          block_size=srv.block_size, max_model_len=srv.max_model_len, model=srv.model,
+                          latency_scale=srv.latency_scale)
+        argv = serve_command(arm, args.serve_cmd)
+        url = f"http://127.0.0.1:{port}"
+        server = ServerProcess(argv, url=url, env={**os.environ, **arm.kvfabric_env()},
+                               log_path=str(out / "logs" / f"{run_ids[i]}.server.log"),
+                               ready_timeout=args.ready_timeout)
+        return server, argv, url
+
     t_start = time.monotonic()
     collector.start()
+    upcoming: tuple[ServerProcess, list[str], str] | None = None
     try:
+        upcoming = make_server(0)
+        upcoming[0].launch()
         for n, (rep, policy) in enumerate(order, 1):
-            run_id = f"{scenario.name}-{policy}-r{rep + 1}-{stamp}"
-            port = args.port or _free_port()
-            arm = ArmSettings(port=port, policy=policy, run_id=run_id, socket=sock, kv_blocks=srv.kv_blocks,
-                              block_size=srv.block_size, max_model_len=srv.max_model_len, model=srv.model,
-                              latency_scale=srv.latency_scale)
-            argv = serve_command(arm, args.serve_cmd)
-            env = {**os.environ, **arm.kvfabric_env()}
-            url = f"http://127.0.0.1:{port}"
-            _say(f"[{n}/{len(order)}] {policy} (repetition {rep + 1}): starting the server ...")
-            server = ServerProcess(argv, url=url, env=env, log_path=str(out / "logs" / f"{run_id}.server.log"),
-                                   ready_timeout=args.ready_timeout)
+            run_id = run_ids[n - 1]
+            server, argv, url = upcoming
+            upcoming = None
             t_arm = time.monotonic()
-            server.start()
+            _say(f"[{n}/{len(order)}] {policy} (repetition {rep + 1}): waiting for the server ...")
             try:
+                server.wait_ready()
+                overlapped = False
+                if args.overlap_start and n < len(order):
+                    # Start the next arm's server now: its start-up overlaps this arm's run (see --overlap-start).
+                    upcoming = make_server(n)
+                    upcoming[0].launch()
+                    overlapped = True
                 _say(f"      ready in {server.ready_s:.1f} s; running {scenario.name} (seed {scenario.seed})")
                 bench = asyncio.run(_bench(scenario, url, run_id, not args.no_progress, f"      {policy}"))
                 events = wait_quiescent(collector.http_url or "", run_id)
                 analytics = fetch_run(collector.http_url or "", run_id)
+                processes = server.stats()
             finally:
                 server.stop()
+            if upcoming is None and n < len(order):
+                upcoming = make_server(n)
+                upcoming[0].launch()
             (out / "runs" / f"{run_id}.bench.json").write_text(json.dumps(bench) + "\n")
             (out / "runs" / f"{run_id}.collector.json").write_text(json.dumps(analytics) + "\n")
             s, c = bench["summary"], analytics["summary"]
@@ -200,8 +227,11 @@ def run_arms(args: argparse.Namespace, scenario: Scenario, policies: list[str], 
                  f"{100 * c['prefix_hit_rate']:.1f} %, rebuilt {c['rebuilt_from_eviction_blocks']:,} blocks, "
                  f"TTFT p50 {1000 * (s['ttft_p50_s'] or 0):.0f} ms; {events:,} events")
             plan["arms"].append({"run_id": run_id, "policy": policy, "repetition": rep + 1, "argv": argv,
-                                 "ready_s": server.ready_s, "arm_s": time.monotonic() - t_arm, "events": events})
+                                 "ready_s": server.ready_s, "arm_s": time.monotonic() - t_arm, "events": events,
+                                 "next_server_started_during_run": overlapped, "processes": processes})
     finally:
+        if upcoming is not None:
+            upcoming[0].stop(timeout=10.0)
         collector.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
     series = read_events(str(db), [a["run_id"] for a in plan["arms"]])

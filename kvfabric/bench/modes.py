@@ -57,6 +57,7 @@ class SessionContext(Protocol):
 class Session(Protocol):
     name: str
     family: str | None
+    knows_session: bool
     #: Planned arrival in seconds from the run's start (trace timestamps), or None: whenever the runner starts it.
     start_s: float | None
     #: Requests the session will make if nothing stops it early.
@@ -91,6 +92,11 @@ class ConversationSession:
     users: list[tuple[int, ...]]
     start_s: float | None = None
     on_done: Callable[[Prompt], Awaitable[None]] | None = None
+    #: Whether the client knows this session's extent (sends ``kvfabric_session``/``_end`` hints). Trace rows do
+    #: not: a row's conversation may continue in a later row.
+    knows_session: bool = True
+    #: Whether the last turn ends the conversation (a fork's trunk does not: its branches continue it).
+    ends: bool = True
 
     @property
     def planned_requests(self) -> int:
@@ -101,7 +107,7 @@ class ConversationSession:
         for t, (max_tokens, think_s) in enumerate(self.turns):
             if t and think_s > 0:
                 await ctx.sleep(think_s)
-            reply = await ctx.ask(self, t, prompt, max_tokens, t == len(self.turns) - 1)
+            reply = await ctx.ask(self, t, prompt, max_tokens, self.ends and t == len(self.turns) - 1)
             if reply is None or not reply.ok:
                 return  # stopped, or the server failed: a conversation cannot go on without its answer
             prompt = prompt.plus(reply)
@@ -120,6 +126,7 @@ class ForkSession:
     trunk: ConversationSession
     branches: list[ConversationSession]
     start_s: float | None = None
+    knows_session: bool = True
 
     @property
     def planned_requests(self) -> int:
@@ -134,6 +141,7 @@ class ForkSession:
             history.append(prompt)
 
         self.trunk.on_done = keep
+        self.trunk.ends = False
         await self.trunk.run(ctx)
         if not history:
             return
@@ -385,7 +393,7 @@ def _dataset(p: DatasetParams, seed: int | str) -> Iterator[Session]:
         row = rid.rsplit("/", 1)[-1]
         start = arrival_s * float(p.time_scale) if p.time_scale else None
         yield ConversationSession(f"row-{row}", None, Prompt().plus(prompt), [(max(p.max_tokens[0], out), 0.0)], [],
-                                  start_s=start)
+                                  start_s=start, knows_session=False)
 
 
 @dataclass(frozen=True)

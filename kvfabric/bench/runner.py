@@ -187,11 +187,14 @@ class _Component:
         )
         hints: dict[str, Any] | None = None
         if run.scenario.hints:
-            hints = {"kvfabric_session": session.name}
+            hints = {}
             if session.family:
                 hints["kvfabric_family"] = session.family
-            if last:
-                hints["kvfabric_session_end"] = 1
+            if session.knows_session:
+                hints["kvfabric_session"] = session.name
+                if last:
+                    hints["kvfabric_session_end"] = 1
+            hints = hints or None
         reply = await run.client.complete(record, run.fmt.render(prompt), hints, run.t0)
         run.records.append(record)
         run.on_record(record)

@@ -109,6 +109,24 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
+def process_stats(pid: int) -> dict[str, float | int | str] | None:
+    """``comm``, CPU seconds (user + system), RSS bytes and open file descriptors of ``pid`` (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, ValueError, IndexError):
+        return None
+    return {"pid": pid, "comm": comm, "cmdline": cmdline[:200], "cpu_s": cpu, "rss_bytes": rss, "fds": fds}
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2.0) as resp:
@@ -129,32 +147,42 @@ class ServerProcess:
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
+        self._t0 = 0.0
         self._log: IO[bytes] | None = None
 
-    def start(self) -> ServerProcess:
-        """Spawn and wait until ``/v1/models`` answers; raise RuntimeError (with the log's tail) if it dies or
-        TimeoutError after ``ready_timeout`` (the process group is stopped either way)."""
+    def launch(self) -> ServerProcess:
+        """Spawn the server without waiting for it (see :meth:`wait_ready`)."""
         if self.log_path is not None:
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
             env=self.env, start_new_session=True,
         )
+        return self
+
+    def wait_ready(self) -> ServerProcess:
+        """Wait until ``/v1/models`` answers; raise RuntimeError (with the log's tail) if the server dies, or
+        TimeoutError ``ready_timeout`` after the launch (the process group is stopped either way)."""
+        assert self.proc is not None, "not launched"
         try:
             while not _http_ok(f"{self.url}/v1/models"):
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited with code {self.proc.returncode} before it was ready"
                                        + self._tail())
-                if time.monotonic() - t0 > self.ready_timeout:
+                if time.monotonic() - self._t0 > self.ready_timeout:
                     raise TimeoutError(f"server not ready within {self.ready_timeout:g} s" + self._tail())
                 time.sleep(0.5)
         except BaseException:
             self.stop(timeout=10.0)
             raise
-        self.ready_s = time.monotonic() - t0
+        self.ready_s = time.monotonic() - self._t0
         return self
+
+    def start(self) -> ServerProcess:
+        """:meth:`launch` then :meth:`wait_ready`."""
+        return self.launch().wait_ready()
 
     def _tail(self, n: int = 12) -> str:
         if self.log_path is None or not Path(self.log_path).exists():
@@ -165,6 +193,12 @@ class ServerProcess:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
+
+    def stats(self) -> list[dict[str, float | int | str]]:
+        """:func:`process_stats` of every live process of the server's tree (server first)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return [s for p in process_tree(self.proc.pid) if (s := process_stats(p)) is not None]
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM the process group we created, wait; SIGKILL the group past ``timeout``."""

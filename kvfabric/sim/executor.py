@@ -10,8 +10,9 @@ Outputs follow the GPU model runner's rule (as :mod:`kvfabric.sim.harness` does)
 step iff the step brings its computed tokens up to all its known tokens (prompt plus outputs so far); a partial
 prefill chunk samples nothing. The executor counts each request's outputs itself (with async scheduling the
 scheduler sends no token ids for running requests) and takes the scheduler's count when a preempted request
-resumes. Output number ``i`` of a request is :func:`answer_token` ``(prompt digest, i)``: a pure function of the
-prompt, so the same workload gets the same answers in every run and in every arm of an A/B.
+resumes (as a resumed cached request, or re-sent as new with all its tokens). Output number ``i`` of a request
+is :func:`answer_token` ``(prompt digest, i)``: a pure function of the prompt, so the same workload gets the same
+answers in every run and in every arm of an A/B.
 
 Time: each step costs what a :class:`~kvfabric.sim.latency.LatencyModel` says it takes on an H200, times
 ``KVFABRIC_SIM_LATENCY_SCALE``. Steps run back to back on one simulated device: a step starts when it is
@@ -136,12 +137,13 @@ class SimulatedExecutor(Executor):
         return [self._layer_specs()]
 
     def determine_available_memory(self) -> list[int]:
-        """Bytes for the requested pool (``--num-gpu-blocks-override``) and never less than one longest request."""
+        """Bytes for the requested pool (``--num-gpu-blocks-override``), never less than one longest request (vLLM's
+        start-up check wants ``max_model_len`` tokens beside its null block; the override then sets the pool)."""
         specs = self._layer_specs()
         per_block = sum(s.page_size_bytes for s in specs.values())
         block_size = next(iter(specs.values())).block_size
-        need = -(-int(self.model_config.max_model_len) // block_size) + 1
-        blocks = max(int(self.cache_config.num_gpu_blocks_override or 0), need, 2)
+        need = -(-int(self.model_config.max_model_len) // block_size) + 2
+        blocks = max(int(self.cache_config.num_gpu_blocks_override or 0), need)
         return [blocks * per_block]
 
     def get_supported_kv_cache_layouts(self) -> list[list[str]]:
@@ -203,9 +205,14 @@ class SimulatedExecutor(Executor):
         admitted_prompt_tokens = 0
         for new in so.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or ())
-            reqs[new.req_id] = _ReqState(prompt_digest(prompt), len(prompt))
+            state = reqs[new.req_id] = _ReqState(prompt_digest(prompt), len(prompt))
+            # vLLM's v2 model runner path re-sends a resumed (preempted) request as new, with all its tokens.
+            resent = getattr(new, "prefill_token_ids", None)
+            if resent is not None and len(resent) > len(prompt):
+                state.outputs = len(resent) - len(prompt)
+            else:
+                admitted_prompt_tokens += len(prompt)
             computed_before[new.req_id] = new.num_computed_tokens
-            admitted_prompt_tokens += len(prompt)
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for i, rid in enumerate(cached.req_ids):

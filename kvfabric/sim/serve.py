@@ -48,7 +48,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="KV cache size in blocks (vLLM's --num-gpu-blocks-override; default 4096)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--max-model-len", type=int, default=8192,
-                        help="longest prompt + output in tokens (default 8192; needs kv-blocks x block-size >= it)")
+                        help="longest prompt + output in tokens (default 8192; needs (kv-blocks - 1) x block-size "
+                             ">= it)")
     parser.add_argument("--policy", choices=POLICY_NAMES, default=None,
                         help="KVFABRIC_EVICTION_POLICY (default: the environment's, else lru)")
     parser.add_argument("--collector-socket", default=None,
@@ -59,6 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--latency", default=None,
                         help="latency model: llama, qwen, qwen-fit, zero (default: the one measured for the shape)")
+    parser.add_argument("--tokenizer", choices=("none", "words"), default="none",
+                        help="none: token-id prompts only (--skip-tokenizer-init, as the GPU runs); words: a "
+                             "word-level tokenizer of the benchmark's pseudo-words, for text prompts")
     parser.add_argument("--latency-scale", type=float, default=1.0,
                         help="multiply every modelled step time (default 1.0 = H200 time; 0 = infinitely fast)")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
@@ -82,7 +86,7 @@ def build_vllm_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
         "--served-model-name", args.served_model_name or _model_name(args.model),
         "--distributed-executor-backend", EXECUTOR,
         "--load-format", "dummy",
-        "--skip-tokenizer-init",
+        *(["--skip-tokenizer-init"] if getattr(args, "tokenizer", "none") == "none" else []),
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--num-gpu-blocks-override", str(args.kv_blocks),
@@ -114,15 +118,31 @@ def sim_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def _with_word_tokenizer(model_dir: str) -> str:
+    """A private copy of ``model_dir``'s config.json with the word tokenizer beside it (never writes to the user's
+    directory); removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from kvfabric.sim.tokenizer import write_word_tokenizer
+
+    tmp = tempfile.mkdtemp(prefix="kvfabric-sim-words-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    shutil.copy(Path(model_dir) / "config.json", Path(tmp) / "config.json")
+    write_word_tokenizer(tmp)
+    return tmp
+
+
 def _check(args: argparse.Namespace) -> str | None:
     """One line saying what is wrong with the options, or None."""
     from kvfabric.sim.latency import LATENCY_MODELS
 
     if args.block_size < 1 or args.kv_blocks < 2:
         return "--block-size must be >= 1 and --kv-blocks >= 2"
-    if args.kv_blocks * args.block_size < args.max_model_len:
-        return (f"--kv-blocks {args.kv_blocks} x --block-size {args.block_size} = "
-                f"{args.kv_blocks * args.block_size} tokens cannot hold one request of --max-model-len "
+    if (args.kv_blocks - 1) * args.block_size < args.max_model_len:  # vLLM's null block holds nothing
+        return (f"--kv-blocks {args.kv_blocks} (one is vLLM's null block) x --block-size {args.block_size} = "
+                f"{(args.kv_blocks - 1) * args.block_size} tokens cannot hold one request of --max-model-len "
                 f"{args.max_model_len}")
     if args.latency is not None and args.latency not in LATENCY_MODELS:
         return f"--latency {args.latency!r} is not one of {', '.join(sorted(LATENCY_MODELS))}"
@@ -142,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model_dir = resolve_model_dir(args.model)
+        if args.tokenizer == "words":
+            model_dir = _with_word_tokenizer(model_dir)
     except (FileNotFoundError, OSError) as exc:
         print(f"kvfabric sim-serve: {exc}", file=sys.stderr)
         return 2
