@@ -254,7 +254,11 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{label:<{width}}  " + "  ".join(f"{c:>28}" for c in cells))
     for p, vs in result["verdicts"].items():
         called = [f"{label}: {vs[key]['call']}" for key, label, _, _ in HEADLINE if vs[key]["call"] not in NO_CALL]
-        print(f"\n{p} vs {result['baseline']}: " + ("; ".join(called) if called else "no difference beyond noise"))
+        if any(v["call"] == "no spread (1 repetition)" for v in vs.values()):
+            verdict_text = "one repetition: no spread to judge a difference against (use --repeat 3)"
+        else:
+            verdict_text = "; ".join(called) if called else "no difference beyond noise"
+        print(f"\n{p} vs {result['baseline']}: {verdict_text}")
     a = result["agreement"]
     if a["relative_difference"] is not None:
         print(f"cached tokens: client {a['client_cached_tokens']:,} vs collector {a['collector_hit_tokens']:,} "
@@ -315,9 +319,12 @@ def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
     server = ("`kvfabric sim-serve` (vLLM's real OpenAI server, engine, scheduler and KV cache manager on CPU; the "
               f"forward pass modelled from H200 measurements of the `{srv['model']}` shape, latency scale "
               f"{srv['latency_scale']:g})") if plan["server"] == "sim-serve" else f"`{plan['serve_cmd']}`"
+    ahead = plan.get("prestart") or 0
     w.append(f"Setup: {len(policies)} policies x {plan['repeat']} repetitions, a fresh server per run: {server}; "
-             f"one collector; seed {plan['seed']}; the order of arms alternates between repetitions. "
-             f"Machine: {plan['machine']}. Total time {plan.get('wall_s', 0) / 60:.1f} min.")
+             f"one collector; seed {plan['seed']}; the order of arms alternates between repetitions"
+             + (f"; the next {ahead} arm(s)' servers started up while each run ran (`--prestart {ahead}`)" if ahead
+                else "")
+             + f". Machine: {plan['machine']}. Total time {plan.get('wall_s', 0) / 60:.1f} min.")
     w.append("")
     w.append(f"Command: `{plan['command']}`")
     w.append("")
