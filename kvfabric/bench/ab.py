@@ -245,11 +245,12 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
             try:
                 server.wait_ready()
                 # Servers started ahead (--prestart) start up while this arm runs; the first arm's starts alone.
-                ahead = [a for a in arms[n : n + args.prestart] if a.server is None]
-                for a in ahead:
-                    launch(a)
+                for a in arms[n : n + args.prestart]:
+                    if a.server is None:
+                        launch(a)
+                ahead = [a for a in arms[n : n + args.prestart] if a.server is not None]
                 _say(f"      ready in {server.ready_s:.1f} s; running {sc.name} (seed {sc.seed})"
-                     + (f"; {len(ahead)} next server(s) starting" if ahead else ""))
+                     + (f"; the next {len(ahead)} server(s) start meanwhile" if ahead else ""))
                 bench = asyncio.run(_bench(sc, arm.url, arm.run_id, not args.no_progress, f"      {arm.policy}"))
                 events = wait_quiescent(collector.http_url or "", arm.run_id)
                 analytics = fetch_run(collector.http_url or "", arm.run_id)

@@ -122,6 +122,8 @@ def build(out: Path) -> dict[str, Any]:
             "ttfts": [r["ttft_s"] for r in bench["requests"] if r.get("ok") and r.get("ttft_s") is not None],
             "sink_dropped_events": coll["summary"].get("sink_dropped_events", 0),
             "sequence_gaps": coll["summary"].get("sequence_gaps", 0),
+            "by_traffic": bench.get("by_traffic", {}),
+            "cpu_s": _cpu_by_role(arm.get("processes") or []),
         })
     by_policy: dict[str, dict[str, Any]] = {}
     for p in policies:
@@ -134,7 +136,28 @@ def build(out: Path) -> dict[str, Any]:
     }
     kinds = _kinds(runs, policies)
     return {"plan": plan, "baseline": base, "policies": policies, "runs": runs, "by_policy": by_policy,
-            "verdicts": verdicts, "kinds": kinds, "agreement": _agreement(runs)}
+            "verdicts": verdicts, "kinds": kinds, "traffic": _traffic(runs, policies),
+            "agreement": _agreement(runs)}
+
+
+def _cpu_by_role(processes: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU seconds of the server's processes when its run ended: the server itself, its EngineCore, the rest."""
+    out = {"server": 0.0, "engine_core": 0.0, "other": 0.0}
+    for i, p in enumerate(processes):
+        role = "server" if i == 0 else "engine_core" if "EngineCor" in str(p.get("comm")) else "other"
+        out[role] += float(p.get("cpu_s") or 0.0)
+    return out
+
+
+def _traffic(runs: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per traffic component and policy: medians over repetitions of the client's numbers."""
+    names = list(dict.fromkeys(n for r in runs for n in r["by_traffic"]))
+    fields = ("requests_ok", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "client_hit_rate")
+    return {
+        n: {p: {f: median([r["by_traffic"][n][f] for r in runs if r["policy"] == p and n in r["by_traffic"]
+                           and r["by_traffic"][n][f] is not None]) for f in fields} for p in policies}
+        for n in names
+    }
 
 
 def _kinds(runs: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -347,6 +370,17 @@ def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
     w.append("")
     w.extend(_gain_text(result) or ["- one policy only: nothing to compare."])
     w.append("")
+    if len(result["traffic"]) > 1:
+        w.append("By traffic component (client, medians over repetitions):")
+        w.append("")
+        w.append("| traffic | policy | requests | cached / prompt tokens | TTFT p50 | TTFT p99 | E2E p50 |")
+        w.append("|---|---|---|---|---|---|---|")
+        for name, rows in result["traffic"].items():
+            for p in policies:
+                r = rows[p]
+                w.append(f"| `{name}` | `{p}` | {fmt(r['requests_ok'], 'int')} | {fmt(r['client_hit_rate'], 'pct')} | "
+                         f"{fmt(r['ttft_p50_s'], 'ms')} | {fmt(r['ttft_p99_s'], 'ms')} | {fmt(r['e2e_p50_s'], 'ms')} |")
+        w.append("")
     w.append("By family kind (collector, medians over repetitions):")
     w.append("")
     w.append("| family kind | policy | requests | prompt tokens | hit rate | evicted | shared anchors evicted | "
@@ -400,14 +434,15 @@ def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
     w.append("")
     w.append("## Runs")
     w.append("")
-    w.append("| run | policy | server ready (s) | requests | wall (s) | hit rate | rebuilt | TTFT p50 |")
-    w.append("|---|---|---|---|---|---|---|---|")
+    w.append("| run | policy | server ready (s) | requests | wall (s) | hit rate | rebuilt | TTFT p50 | "
+             "CPU s: server / EngineCore |")
+    w.append("|---|---|---|---|---|---|---|---|---|")
     for r in result["runs"]:
         m = r["metrics"]
         w.append(f"| `{r['run_id']}` | `{r['policy']}` | {r['ready_s'] or 0:.1f} | {r['requests_ok']:,} "
                  f"| {r['wall_s']:.1f} | {fmt(m['prefix_hit_rate'], 'pct')} | "
                  f"{fmt(m['rebuilt_from_eviction_blocks'], 'int')} | "
-                 f"{fmt(m['ttft_p50_s'], 'ms')} |")
+                 f"{fmt(m['ttft_p50_s'], 'ms')} | {r['cpu_s']['server']:.1f} / {r['cpu_s']['engine_core']:.1f} |")
     w.append("")
     return "\n".join(w)
 
