@@ -35,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvfabric.bench.ab import IDLE_HANDSHAKE_S  # noqa: E402
 from kvfabric.bench.analytics import fetch_run, wait_quiescent  # noqa: E402
 from kvfabric.bench.servers import ServerProcess, process_stats, process_tree  # noqa: E402
 from kvfabric.collector import CollectorConfig, CollectorProcess  # noqa: E402
@@ -257,7 +258,8 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     collector = CollectorProcess(
-        CollectorConfig(db_path=str(work / "soak.duckdb"), socket_path=str(work / "c.sock"), port=_free_port()),
+        CollectorConfig(db_path=str(work / "soak.duckdb"), socket_path=str(work / "c.sock"), port=_free_port(),
+                        handshake_timeout_s=IDLE_HANDSHAKE_S),
         log_path=str(work / "collector.log"), env=env, ready_timeout=60.0,
     )
     port = _free_port()

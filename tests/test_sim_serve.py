@@ -107,7 +107,9 @@ def test_executor_spends_the_modelled_step_time(monkeypatch: pytest.MonkeyPatch)
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     log_dir = tmp_path_factory.mktemp("sim-serve")
-    with collector_files() as files, files.process() as collector:
+    # The server idles between tests: the hook's forwarder connects at engine start and sends its schema with the
+    # first events, so the collector must wait longer than its default 10 s handshake (see kvfabric ab).
+    with collector_files() as files, files.process(handshake_timeout_s=3600.0) as collector:
         with sim_server(log_dir, "--kv-blocks", "66", "--max-model-len", "1024", "--latency-scale", "0",
                         "--policy", "adaptive_aging", "--collector-socket", files.socket_path,
                         "--run-id", RUN_ID) as server:
@@ -157,15 +159,24 @@ def test_preemption_under_a_tiny_pool_keeps_answers_exact(served: dict[str, Any]
 
     # Eight requests of 40 prompt tokens all fit at admission, but each grows to 340 tokens (22 blocks) and the
     # pool has 65: vLLM must preempt running requests and resume them later.
+    url = served["url"]
+    before = _collector_totals(served["collector"])
+    preempted_before = _vllm_counter(url, "vllm:num_preemptions_total")
     prompts = [list(range(10_000 + 1000 * i, 10_040 + 1000 * i)) for i in range(8)]
-    results = _complete(served["url"], prompts, 300, concurrency=8)
+    results = _complete(url, prompts, 300, concurrency=8)
     for p, (rec, reply) in zip(prompts, results, strict=True):
         assert reply.ok, rec.error
         assert reply.token_ids == [answer_token(prompt_digest(p), i) for i in range(300)]
+        assert rec.cached_tokens == 0  # vLLM reports the first admission's hit: these prompts share nothing
     deadline = time.monotonic() + 10  # vLLM's counters reach /metrics with the engine's next stats
-    while _vllm_counter(served["url"], "vllm:num_preemptions_total") == 0 and time.monotonic() < deadline:
+    while _vllm_counter(url, "vllm:num_preemptions_total") == preempted_before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _vllm_counter(served["url"], "vllm:num_preemptions_total") > 0
+    preempted = _vllm_counter(url, "vllm:num_preemptions_total") - preempted_before
+    assert preempted > 0
+    # The collector counts every admission: each preemption adds one (the resumed request is admitted again, with
+    # whatever of its own blocks survived as its hit). This is why its hit tokens can exceed the client's.
+    after = _collector_totals(served["collector"])
+    assert after[0] - before[0] == 8 + preempted
 
 
 def _vllm_counter(url: str, name: str) -> float:
@@ -174,11 +185,17 @@ def _vllm_counter(url: str, name: str) -> float:
 
 
 def _collector_totals(collector: str) -> tuple[int, int, int]:
-    from kvfabric.bench.analytics import fetch_run, run_events, wait_quiescent
+    """(admissions, prompt tokens, hit tokens) of the run once the hook's events stopped arriving (2 s still)."""
+    from kvfabric.bench.analytics import fetch_run, run_events
 
-    if run_events(collector, RUN_ID) == 0:
+    last, since = -1, time.monotonic()
+    while time.monotonic() - since < 2.0:
+        n = run_events(collector, RUN_ID)
+        if n != last:
+            last, since = n, time.monotonic()
+        time.sleep(0.25)
+    if last == 0:
         return 0, 0, 0
-    wait_quiescent(collector, RUN_ID)
     s = fetch_run(collector, RUN_ID)["summary"]
     assert s["policies"] == ["adaptive_aging"] and s["sink_dropped_events"] == 0
     return s["requests"], s["prompt_tokens"], s["prefix_hit_tokens"]

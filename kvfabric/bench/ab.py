@@ -42,7 +42,10 @@ from kvfabric.bench.servers import (
     serve_command,
 )
 
-__all__ = ["configure", "run"]
+__all__ = ["IDLE_HANDSHAKE_S", "configure", "run"]
+
+#: Collector handshake timeout for A/B and soak runs: a server may sit idle this long before its first request.
+IDLE_HANDSHAKE_S = 24 * 3600.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +97,12 @@ def _say(msg: str) -> None:
 
 def _machine() -> str:
     return f"{platform.node()}, {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def _portable(text: str) -> str:
+    """``text`` with this interpreter's path written as ``python``: plans and reports get committed as examples,
+    and the machine's install location is noise there."""
+    return text.replace(sys.executable, "python")
 
 
 def _arm_order(policies: list[str], repeat: int) -> list[tuple[int, str]]:
@@ -205,7 +214,9 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
     sock_dir = tempfile.mkdtemp(prefix="kvf-ab-", dir="/tmp")  # sun_path is 108 bytes: keep the socket short
     sock = os.path.join(sock_dir, "c.sock")
     collector = CollectorProcess(
-        CollectorConfig(db_path=str(db), socket_path=sock, port=_free_port()),
+        # A hook's forwarder connects when its engine starts but sends its schema only with the first events; servers
+        # wait idle (--prestart) longer than the default 10 s handshake, which would drop and count a first batch.
+        CollectorConfig(db_path=str(db), socket_path=sock, port=_free_port(), handshake_timeout_s=IDLE_HANDSHAKE_S),
         log_path=str(out / "collector.log"), ready_timeout=60.0,
     )
     plans: dict[str, dict[str, Any]] = {
@@ -266,9 +277,11 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
                  f"{100 * c['prefix_hit_rate']:.1f} %, rebuilt {c['rebuilt_from_eviction_blocks']:,} blocks, "
                  f"TTFT p50 {1000 * (s['ttft_p50_s'] or 0):.0f} ms; {events:,} events")
             plans[sc.name]["arms"].append({
-                "run_id": arm.run_id, "policy": arm.policy, "repetition": arm.repetition, "argv": arm.argv,
+                "run_id": arm.run_id, "policy": arm.policy, "repetition": arm.repetition,
+                "argv": [_portable(a) for a in arm.argv],
                 "ready_s": server.ready_s, "arm_s": time.monotonic() - t_arm, "events": events,
-                "servers_starting_during_run": len(ahead), "processes": processes,
+                "servers_starting_during_run": len(ahead),
+                "processes": [{**p, "cmdline": _portable(str(p["cmdline"]))} for p in processes],
             })
     finally:
         for a in arms:

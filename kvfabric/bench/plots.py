@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # headless: no display on servers and in CI
 import matplotlib.pyplot as plt
@@ -61,6 +62,8 @@ def _ttft_cdf(result: dict[str, Any], path: Path) -> None:
             ax.plot(pooled, [(i + 1) / len(pooled) for i in range(len(pooled))], color=_color(policies, p),
                     linewidth=2, label=f"{p} (all repetitions)")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("time to first token (ms, log scale)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF (thin: each repetition)")
@@ -103,8 +106,9 @@ def _rebuilt(result: dict[str, Any], path: Path) -> None:
     for r in result["runs"]:
         xs = r["rebuilt_s"]
         p = r["policy"]
-        if not xs:
-            ax.plot([0], [0], color=_color(policies, p), label=p if p not in labelled else None)
+        if not xs:  # nothing rebuilt: a flat line over the run, so the arm is still seen
+            ax.plot([0, r["wall_s"]], [0, 0], color=_color(policies, p), linewidth=2,
+                    label=p if p not in labelled else None)
         else:
             ax.step(xs, range(1, len(xs) + 1), where="post", color=_color(policies, p), alpha=0.8,
                     label=p if p not in labelled else None)
