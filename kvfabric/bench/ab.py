@@ -204,7 +204,7 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
     arms = _plan_arms(scenarios, policies, args.repeat, out, stamp)
     sc_outs = list(dict.fromkeys(a.out for a in arms))
     for d in sc_outs:
-        if (d / "plan.json").exists():
+        if (d / "plan.json").exists() or (d / "runs").exists():
             raise ScenarioError(f"{d} already holds an A/B run: choose a new --out (or --report-only)")
         (d / "runs").mkdir(parents=True, exist_ok=True)
         (d / "logs").mkdir(parents=True, exist_ok=True)
@@ -283,6 +283,10 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
                 "servers_starting_during_run": len(ahead),
                 "processes": [{**p, "cmdline": _portable(str(p["cmdline"]))} for p in processes],
             })
+            # Written after every arm: if the whole run is cut short (a time limit), --report-only still reports
+            # the arms that finished (without the DuckDB-derived series, which are added at the end).
+            plans[sc.name]["wall_s"] = time.monotonic() - t_start
+            (arm.out / "plan.json").write_text(json.dumps(plans[sc.name], indent=1) + "\n")
     finally:
         for a in arms:
             if a.server is not None and a.server.proc is not None and a.server.proc.poll() is None:
