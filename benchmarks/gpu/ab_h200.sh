@@ -45,6 +45,10 @@ print(" ".join(m for m in need if u.find_spec(m) is None))
 PY
 )
 if [ -n "$missing" ]; then echo "ab_h200.sh: missing Python modules: $missing (PYTHONPATH=$PYTHONPATH)" >&2; exit 2; fi
+# vllm serve loads the hook only through the installed entry point (this project's wheel in $SITE, or an install).
+if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "kvfabric" for e in m.entry_points(group="vllm.general_plugins")))'; then
+  if [ "$SERVE" != sim ]; then echo "ab_h200.sh: no kvfabric vllm.general_plugins entry point: install this project's wheel" >&2; exit 2; fi
+fi
 "$PY" -c 'import importlib.util as u; print("matplotlib:", "yes" if u.find_spec("matplotlib") else "no (plots later: kvfabric ab --report-only)")'
 
 MODEL_DIR=$(mktemp -d /tmp/kvf-llama-3-8b.XXXXXX)
