@@ -21,6 +21,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("kvfabric.sim.replay", "replay a hash_ids trace through vLLM's real scheduler under a policy"),
     "whatif": ("kvfabric.analysis.whatif", "replay a recorded run under another policy or capacity, and the optimum"),
     "learn": ("kvfabric.learn.cli", "fit the learned policy's reuse model on a trace or a recorded run"),
+    "bench": ("kvfabric.bench.command", "pressure benchmark against any OpenAI-compatible server (modes, scenarios)"),
+    "ab": ("kvfabric.bench.ab", "A/B policies on a scenario: fresh servers, one collector, Markdown + PNG report"),
+    "sim-serve": ("kvfabric.sim.serve", "vLLM's real OpenAI server on CPU with a simulated model (H200 timings)"),
 }
 
 _EPILOG = """\

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# kvfabric ab against a real `vllm serve` on the H200: vLLM 0.26.0, Llama-3-8B shape with dummy weights, compiled
+# (torch.compile + CUDA graphs), KV limited by --num-gpu-blocks-override so that the scenarios are under pressure;
+# template_family_revisit and ordinary_unique_cold, lru against adaptive_aging, 3 repetitions each.
+#
+# On the GPU machine, from the checkout root, after the staging recipe of ../shared/gpu/README.md (vLLM 0.26.0 and
+# this project's wheel, duckdb, installed into /tmp/site):
+#     OUT=$OUT bash benchmarks/gpu/ab_h200.sh
+# Results: $OUT/ab/run/<scenario>/{report.md,ab.json,plan.json,runs/,logs/}, $OUT/ab/ab.jsonl (the --format json
+# line), $OUT/ab/console.log, $OUT/ab/environment.txt. Plots need matplotlib; without it there, re-render here with
+#     kvfabric ab --report-only --out <the fetched ab/run folder>
+#
+# Rehearsal on a CPU machine (kvfabric sim-serve stands in for vllm serve, same command line otherwise):
+#     SERVE=sim SITE= OUT=/tmp/ab-rehearsal bash benchmarks/gpu/ab_h200.sh
+#
+# Device time (the scarce part). One `kvfabric ab` runs both scenarios against one collector; the first server
+# starts alone (it fills vLLM's compile cache), then --prestart 2 starts the next two arms' servers while an arm
+# runs, so start-up (import ~20 s + engine start ~30-50 s) overlaps the runs. Expected on the H200: first start
+# ~70-90 s, then 11 arms at ~max(run ~25 s, start / 2) ~ 30 s each, plus collector and report: ~7-8 min in all.
+# Three servers share the GPU at a time (0.25 of its memory each: 16 GB of weights, ~2.5 GB of KV at 1,280 blocks).
+# If that looks too close to the 10-minute command limit, run one scenario per command on the warm machine (the
+# compile cache stays): SCENARIOS=template_family_revisit ..., then SCENARIOS=ordinary_unique_cold ...; a run cut
+# short by LIMIT_S still reports the arms that finished.
+set -euo pipefail
+
+OUT=${OUT:?set OUT to the folder whose files come back}
+PY=${PYTHON:-python3}
+SITE=${SITE-/tmp/site}
+SERVE=${SERVE:-vllm}            # vllm | sim
+REPEAT=${REPEAT:-3}
+POLICIES=${POLICIES:-lru,adaptive_aging}
+SCENARIOS=${SCENARIOS:-template_family_revisit,ordinary_unique_cold}
+PRESTART=${PRESTART:-2}
+LIMIT_S=${LIMIT_S:-570}         # the device tool allows 600 s a command
+
+export PYTHONPATH="$PWD${SITE:+:$SITE}"   # this checkout's kvfabric first, then vLLM 0.26 and the wheels
+export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export PYTHONHASHSEED=${PYTHONHASHSEED:-0} # vLLM 0.26's root block hash is random per process without it
+unset KVFABRIC_EVICTION_POLICY KVFABRIC_LIFECYCLE KVFABRIC_SINK KVFABRIC_RUN_ID   # ab sets them per arm
+
+missing=$("$PY" - <<'PY'
+import importlib.util as u
+need = ["kvfabric", "pyarrow", "duckdb", "fastapi", "uvicorn", "httpx", "tqdm", "prometheus_client", "vllm"]
+print(" ".join(m for m in need if u.find_spec(m) is None))
+PY
+)
+if [ -n "$missing" ]; then echo "ab_h200.sh: missing Python modules: $missing (PYTHONPATH=$PYTHONPATH)" >&2; exit 2; fi
+# vllm serve loads the hook only through the installed entry point (this project's wheel in $SITE, or an install).
+if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "kvfabric" for e in m.entry_points(group="vllm.general_plugins")))'; then
+  if [ "$SERVE" != sim ]; then echo "ab_h200.sh: no kvfabric vllm.general_plugins entry point: install this project's wheel" >&2; exit 2; fi
+fi
+"$PY" -c 'import importlib.util as u; print("matplotlib:", "yes" if u.find_spec("matplotlib") else "no (plots later: kvfabric ab --report-only)")'
+
+MODEL_DIR=$(mktemp -d /tmp/kvf-llama-3-8b.XXXXXX)
+trap 'rm -rf "$MODEL_DIR"' EXIT
+cp kvfabric/sim/models/llama-3-8b.json "$MODEL_DIR/config.json"
+
+if [ "$SERVE" = sim ]; then
+  CMD="$PY -m kvfabric.cli sim-serve --model $MODEL_DIR --served-model-name llama-3-8b --kv-blocks {kv_blocks} \
+--block-size {block_size} --max-model-len {max_model_len} --host 127.0.0.1 --port {port}"
+else
+  # A fixed KV budget skips vLLM's memory profiling, which fails when another process frees GPU memory meanwhile
+  # (a finished arm's server stopping while the next ones start); 4 GiB holds 2,048 Llama-3-8B blocks of 16 tokens
+  # (2 MiB each), and --num-gpu-blocks-override then sets the scenario's pool. Only where this vLLM has the option.
+  KVMEM=""
+  if grep -qs "kv_cache_memory_bytes" "$("$PY" -c 'import importlib.util as u; print(u.find_spec("vllm.engine.arg_utils").origin)')"; then
+    KVMEM="--kv-cache-memory-bytes 4294967296"
+  fi
+  CMD="$PY -m vllm.entrypoints.cli.main serve $MODEL_DIR --served-model-name llama-3-8b --load-format dummy \
+--skip-tokenizer-init --enable-prefix-caching --enable-prompt-tokens-details --num-gpu-blocks-override {kv_blocks} \
+--block-size {block_size} --max-model-len {max_model_len} --max-num-seqs 32 --gpu-memory-utilization 0.25 $KVMEM \
+--host 127.0.0.1 --port {port}"
+fi
+
+mkdir -p "$OUT/ab"
+{
+  echo "date: $(date -u +%FT%TZ)"; echo "host: $(hostname) $(nproc) cores"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c 'import sys; print("python", sys.version.split()[0])'
+  "$PY" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))' || true
+  echo "serve command: $CMD"
+} > "$OUT/ab/environment.txt"
+
+t0=$(date +%s)
+# Stop (SIGINT: servers and collector are shut down cleanly) before the device tool's 10-minute command limit, so
+# that what finished can still be reported below.
+timeout --signal=INT "$LIMIT_S" "$PY" -m kvfabric.cli ab --scenario "$SCENARIOS" --policies "$POLICIES" \
+  --repeat "$REPEAT" --serve-cmd "$CMD" --prestart "$PRESTART" --ready-timeout 480 --out "$OUT/ab/run" \
+  --format json --no-progress 2>&1 | tee "$OUT/ab/console.log"
+rc=${PIPESTATUS[0]}
+if [ "$rc" -ne 0 ] && [ -d "$OUT/ab/run" ]; then
+  echo "ab_h200.sh: ab stopped with $rc; reporting the arms that finished" | tee -a "$OUT/ab/console.log"
+  "$PY" -m kvfabric.cli ab --report-only --out "$OUT/ab/run" --format json 2>&1 | tee -a "$OUT/ab/console.log" || true
+fi
+tail -n 1 "$OUT/ab/console.log" > "$OUT/ab/ab.jsonl"
+echo "ab_h200.sh: exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/ab/console.log"
+rm -f "$OUT/ab/run/collector.duckdb"   # everything the reports need is in the runs/*.json files; keep $OUT small
+exit "$rc"
