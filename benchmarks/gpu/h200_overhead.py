@@ -88,6 +88,14 @@ def worker(args: argparse.Namespace) -> int:
                                                     endpoint=f"tcp://*:{port}")
         threading.Thread(target=_drain_kv_events, args=(f"tcp://127.0.0.1:{port}", stop, published),
                          daemon=True).start()
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "kv_cache_memory_bytes" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        # A fixed KV budget skips vLLM's memory profiling, which misreads memory that engines starting beside this
+        # one take or free meanwhile; --num-blocks then sets the pool (4 GiB holds 2,048 Llama-3-8B blocks).
+        kwargs["kv_cache_memory_bytes"] = 4 << 30
     t0 = time.time()
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=True,
               gpu_memory_utilization=args.gpu_util, num_gpu_blocks_override=args.num_blocks, max_model_len=8192,
