@@ -10,6 +10,7 @@ so drift and noise hit every arm alike. Arms:
   kv_events   vLLM's own KV-event publisher on (ZMQ), drained by a subscriber thread: the reference cost of
               vLLM's own observability
   lru         KVFABRIC_LIFECYCLE=1 streaming to a real collector (forwarder child, Arrow, Unix socket)
+  lru_nosink  the same recording with KVFABRIC_SINK=none: the scheduler thread's share of the cost alone
   lru_before  the same with the hook of an earlier revision (``--before DIR``: a checkout's ``kvfabric`` package,
               put first on that worker's PYTHONPATH), for a side-by-side before/after
 
@@ -80,7 +81,7 @@ def worker(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {}
     stop = threading.Event()
     published = [0]
-    if args.arm == "kv_events":
+    if args.worker == "kv_events":
         from vllm.config import KVEventsConfig
 
         port = 5557 + args.index
@@ -113,18 +114,44 @@ def worker(args: argparse.Namespace) -> int:
             llm.reset_prefix_cache()
             print(json.dumps({"reset": True}), flush=True)
             continue
+        cpu0 = _cpu_by_process()
         t1 = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.time() - t1
+        cpu1 = _cpu_by_process()
+        cpu = {k: round(v - cpu0.get(k, 0.0), 3) for k, v in cpu1.items()}
         gen = sum(len(o.outputs[0].token_ids) for o in outs)
         ptok = sum(len(o.prompt_token_ids) for o in outs)
         cached = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs)
         digest = hash(tuple(tuple(o.outputs[0].token_ids) for o in outs))
         print(json.dumps({"wall_s": wall, "output_tokens": gen, "prompt_tokens": ptok, "cached_tokens": cached,
                           "output_tok_per_s": gen / wall, "outputs_digest": digest,
-                          "kv_event_messages": published[0]}), flush=True)
+                          "kv_event_messages": published[0], "cpu_s": cpu}), flush=True)
     stop.set()
     return 0
+
+
+def _cpu_by_process() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this worker and its descendants, by role: the EngineCore, the
+    KVFabric forwarder, the rest (this process included)."""
+    out: dict[str, float] = {}
+    try:
+        import psutil
+
+        me = psutil.Process()
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                cmd = " ".join(p.cmdline())
+                t = p.cpu_times()
+            except Exception:
+                continue
+            role = ("forwarder" if "kvfabric.hook.forwarder" in cmd else
+                    "engine_core" if "EngineCore" in cmd or "EngineCore" in p.name() or "spawn_main" in cmd else
+                    "other")
+            out[role] = out.get(role, 0.0) + t.user + t.system
+    except Exception:
+        pass
+    return out
 
 
 def _children() -> list[Any]:
@@ -183,7 +210,14 @@ def _profile(pids: list[int], seconds: int, out: Path) -> subprocess.Popen[bytes
     except Exception:
         cores = []
     pid = (cores or pids)[0]
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "200",
+    import shutil
+
+    exe = shutil.which("py-spy") or next((str(Path(d) / "bin" / "py-spy") for d in sys.path
+                                         if (Path(d) / "bin" / "py-spy").exists()), None)
+    if exe is None:
+        print("py-spy not found: no profile", flush=True)
+        return None
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "200",
                              "--format", "raw", "--output", str(out), "--nonblocking"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
@@ -258,6 +292,8 @@ def main() -> int:
         if name.startswith("lru"):
             env |= {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": f"unix://{sock}", "KVFABRIC_RUN_ID": f"ovh-{name}",
                     "KVFABRIC_ENGINE_ID": f"h200-{name}"}
+        if name == "lru_nosink":
+            env["KVFABRIC_SINK"] = "none"  # recording on the scheduler thread, no forwarder, nothing sent
         if name == "lru_before":
             if not args.before:
                 raise SystemExit("--arms lru_before needs --before DIR")
@@ -317,6 +353,8 @@ def main() -> int:
             "outputs_identical_to_plain": all(rd[name]["outputs_digest"] == rd["plain"]["outputs_digest"]
                                               for rd in rounds) if "plain" in names else None,
             "cached_tokens": [rd[name]["cached_tokens"] for rd in rounds],
+            "cpu_s_mean": {role: statistics.fmean(rd[name].get("cpu_s", {}).get(role, 0.0) for rd in rounds)
+                           for role in sorted({k for rd in rounds for k in rd[name].get("cpu_s", {})})},
         }
         if plain_walls:
             entry["throughput_vs_plain"] = statistics.fmean(tps) / statistics.fmean(
