@@ -103,8 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-events", type=int, default=4096)
     ap.add_argument("--flush-ms", type=int, default=100)
     ap.add_argument("--buffer-events", type=int, default=1_000_000)
+    ap.add_argument("--nice", type=int, default=10, help="scheduling niceness added to this process (default 10)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    if args.nice:
+        try:
+            # Background work: where cores are short, vLLM's engine loop gets them first. The ring absorbs a
+            # backlog; if it fills, the loss is counted (docs/reliability.md), never a stall of the scheduler.
+            os.nice(args.nice)
+        except OSError:
+            pass
     ring = Ring(args.ring_fd, args.ring_capacity)
     return forward(ring, args.sink, json.loads(args.metadata), args.batch_events, args.flush_ms, args.buffer_events)
 

@@ -303,6 +303,9 @@ class EngineStats:
     steps: int = 0
     busy_steps: int = 0
     wall_s: float = 0.0
+    #: CPU time of the calling thread inside vLLM's calls (what the scheduler thread itself spends; unlike
+    #: ``wall_s`` it does not count time this thread waited for a core other processes held).
+    cpu_s: float = 0.0
     requests_added: int = 0
     requests_finished: int = 0
     admissions: int = 0
@@ -509,9 +512,11 @@ class SimulatedEngine:
         self._admit_arrivals()
         start = self.clock_s
 
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         sched_out = scheduler.schedule()
         t1 = time.perf_counter()
+        c1 = time.thread_time()
 
         # Fabricate what the GPU model runner would return, and describe the work for the latency model.
         req_ids: list[str] = []
@@ -546,9 +551,11 @@ class SimulatedEngine:
         )
         end = start + self.latency.step_seconds(work)
 
+        c2 = time.thread_time()
         t2 = time.perf_counter()
         engine_outputs = scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
+        c3 = time.thread_time()
 
         self.clock_s = end
         finished = self._record_outputs(engine_outputs, end)
@@ -557,6 +564,7 @@ class SimulatedEngine:
         st = self.stats
         st.steps += 1
         st.wall_s += wall
+        st.cpu_s += (c1 - c0) + (c3 - c2)
         st.preemptions += len(preempted)
         self._last_step_empty = sched_out.total_num_scheduled_tokens == 0
         if not self._last_step_empty:

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Write ``benchmarks/results/gpu_h200.md`` from the files ``h200_overhead.py`` brought back from the H200.
+
+    python benchmarks/gpu/overhead_table.py [--dir benchmarks/results/gpu/overhead] \
+        [--out benchmarks/results/gpu_h200.md]
+
+Each run is a ``<run>-summary.json`` (written by ``h200_overhead.py``) in ``--dir``; ``RUNS`` below names the command
+that made it. Raw py-spy profiles (``<run>-profile-<arm>.txt.gz``, collapsed stacks) get a table of where the
+EngineCore's samples went in KVFabric's own frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+#: run -> (what it is, the command on the GPU machine; PYTHONPATH=$PWD:/tmp/site, VLLM_USE_FLASHINFER_SAMPLER=0).
+RUNS: dict[str, tuple[str, str]] = {
+    "8b-r1": ("Llama-3-8B shape, 5 rounds",
+              "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o8 --shape llama-3-8b --rounds 5 --scale 1.5 "
+              "--arms plain,kv_events,lru,lru_before --before .gpu/before"),
+    "8b-r2": ("Llama-3-8B shape, 4 rounds, with the recording-only arm and py-spy",
+              "python3 benchmarks/gpu/h200_overhead.py --out /tmp/d8 --shape llama-3-8b --rounds 4 --scale 1.5 "
+              "--arms plain,lru,lru_nosink,lru_before --before .gpu/before --profile 8"),
+    "q05b": ("Qwen2-0.5B shape, 5 rounds",
+             "python3 benchmarks/gpu/h200_overhead.py --out /tmp/q5 --shape qwen2-0.5b --rounds 5 --scale 3 "
+             "--arms plain,kv_events,lru,lru_nosink"),
+}
+
+ARM_TEXT = {
+    "plain": "vLLM alone (plugin installed, no `KVFABRIC_*`)",
+    "kv_events": "vLLM's own KV-event publisher (ZMQ), drained",
+    "lru": "KVFabric streaming to a collector (this revision)",
+    "lru_nosink": "KVFabric recording, `KVFABRIC_SINK=none` (this revision)",
+    "lru_before": "KVFabric streaming, revision fab6a7f (before issue 7)",
+}
+
+
+def profile_shares(path: Path) -> tuple[int, list[tuple[str, float]]]:
+    """(samples, [(KVFabric frame, % of samples spent in that frame itself)]) of a collapsed-stack profile.
+
+    Only self time in KVFabric's frames counts: the wrappers' inclusive time holds vLLM's own work below them."""
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            c = int(count)
+            total += c
+            leaf = stack.split(";")[-1]
+            if "kvfabric/" in leaf:
+                own[leaf] += c
+    return total, [(f, 100.0 * c / total) for f, c in own.most_common(8)] if total else []
+
+
+def _f(x: float | None, fmt: str) -> str:
+    # A negative CPU delta means the process of that role was replaced during the round (not measurable).
+    return "-" if x is None else "n/a" if x < 0 else format(x, fmt)
+
+
+def run_table(summary: dict[str, Any]) -> list[str]:
+    lines = ["| arm | what | wall mean s | min-max s | spread | wall vs plain | tok/s vs plain | outputs = plain | "
+             "EngineCore CPU s | forwarder CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, e in summary["arms"].items():
+        cpu = e.get("cpu_s_mean", {})
+        lines.append(
+            f"| {arm} | {ARM_TEXT.get(arm, arm)} | {e['wall_mean_s']:.2f} | "
+            f"{e['wall_min_s']:.2f}-{e['wall_max_s']:.2f} | {100 * e['wall_spread']:.1f}% | "
+            f"{_f(e.get('wall_vs_plain'), '.3f')}x | "
+            f"{_f(e.get('throughput_vs_plain'), '.3f')}x | {e.get('outputs_identical_to_plain')} | "
+            f"{_f(cpu.get('engine_core'), '.2f')} | {_f(cpu.get('forwarder'), '.2f')} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="benchmarks/results/gpu/overhead")
+    ap.add_argument("--out", default="benchmarks/results/gpu_h200.md")
+    args = ap.parse_args()
+    d = Path(args.dir)
+    lines = [
+        "# The hook on the real vLLM 0.26.0 engine, one H200",
+        "",
+        "Written by `python benchmarks/gpu/overhead_table.py` from the files `benchmarks/gpu/h200_overhead.py` brought",
+        f"back (`{args.dir}/`). Date of the runs: 2026-12-01. Machine: one NVIDIA H200 (143,771 MiB), 16 CPU cores,",
+        "Python 3.12, torch 2.11, vLLM 0.26.0 and this project's wheel installed by the shared GPU recipe",
+        "(PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONHASHSEED=0).",
+        "",
+        "Method: every arm is one `vllm.LLM` engine (dummy weights, torch.compile + CUDA graphs, 1,500 KV blocks,",
+        "`max_num_seqs=64`, greedy) resident in its own process for the whole run, all started side by side; each",
+        "round runs the same seeded `demo_workload` (scale given) once per arm, in an order that alternates between",
+        "rounds, from an empty prefix cache. Wall = `llm.generate` of the whole workload. CPU seconds are per round",
+        "(psutil, user + system). Earlier results of `benchmarks/gpu/h200_engine.py` (one fresh engine per arm): ",
+        "`benchmarks/results/gpu_h200_engine.md`.",
+        "",
+    ]
+    for run, (what, cmd) in RUNS.items():
+        path = d / f"{run}-summary.json"
+        if not path.exists():
+            lines += [f"## {run}: {what}", "", f"(no `{path.name}`)", ""]
+            continue
+        s = json.loads(path.read_text())
+        lines += [f"## {run}: {what}", "", f"`{cmd}`", "",
+                  f"{s['rounds']} rounds, workload scale {s['scale']}, {s['num_blocks']} blocks; engines ready in "
+                  f"{s['engines_start_s']:.0f} s.", ""]
+        lines += run_table(s)
+        runs = s.get("collector_runs")
+        if isinstance(runs, list):
+            for r in runs:
+                lines += ["", f"Collector: run `{r['run_id']}` stored {r['events']:,} events over all rounds, "
+                              f"{r['sequence_gaps']} sequence gaps."]
+        for prof in sorted(d.glob(f"{run}-profile-*.txt.gz")):
+            arm = prof.name.removeprefix(f"{run}-profile-").removesuffix(".txt.gz")
+            total, shares = profile_shares(prof)
+            lines += ["", f"py-spy, EngineCore of `{arm}` ({total:,} samples at 200 Hz over one round): self time in "
+                          f"KVFabric's frames {sum(p for _, p in shares):.2f}% of samples", "",
+                      "| frame | % of samples |", "|---|---|"]
+            lines += [f"| `{f}` | {p:.2f} |" for f, p in shares]
+        lines.append("")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
