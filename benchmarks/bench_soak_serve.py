@@ -98,6 +98,14 @@ def _roles(server_pid: int, collector_pid: int) -> dict[str, int]:
             found["forwarder"] = pid
         elif "EngineCor" in str(st["comm"]) and "engine_core" not in found:
             found["engine_core"] = pid
+    if "engine_core" not in found and "forwarder" in found:
+        # Without setproctitle the EngineCore keeps the server's name; it is the process that started the hook's
+        # forwarder (its parent).
+        try:
+            with open(f"/proc/{found['forwarder']}/stat") as f:
+                found["engine_core"] = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
     return found
 
 

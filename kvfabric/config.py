@@ -55,7 +55,7 @@ class HookSettings:
     batch_events: int = 4096  # a batch is sent every batch_events events ...
     flush_ms: int = 100  # ... or every flush_ms, whichever comes first
     buffer_events: int = 1_000_000  # bound on events held in memory; beyond it events are dropped and counted
-    evicted_memory: int = 1_000_000  # recently evicted hashes kept for rebuilt/regret detection
+    evicted_memory: int = 0  # recently evicted hashes kept for rebuilt/regret detection (0: by pool size)
     regret_window_s: float = 60.0
     cache_aware_scheduling: bool = False
     family_from_request_id: bool = False  # KVFABRIC_FAMILY_FROM_REQUEST_ID: "<family>/<rest>" request ids (opt-in)
@@ -170,7 +170,7 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
         batch_events=_int(env, "KVFABRIC_BATCH_EVENTS", 4096, warnings, minimum=1),
         flush_ms=_int(env, "KVFABRIC_FLUSH_MS", 100, warnings, minimum=1),
         buffer_events=_int(env, "KVFABRIC_BUFFER_EVENTS", 1_000_000, warnings, minimum=1),
-        evicted_memory=_int(env, "KVFABRIC_EVICTED_MEMORY", 1_000_000, warnings, minimum=1),
+        evicted_memory=_int(env, "KVFABRIC_EVICTED_MEMORY", 0, warnings, minimum=0),
         regret_window_s=regret,
         cache_aware_scheduling=env.get("KVFABRIC_CACHE_AWARE_SCHEDULING", "").strip().lower() in _TRUE,
         family_from_request_id=env.get("KVFABRIC_FAMILY_FROM_REQUEST_ID", "").strip().lower() in _TRUE,

@@ -44,6 +44,9 @@ class CollectorConfig:
     coalesce_rows: int = 245_760
     coalesce_ms: int = 100
     checkpoint_threshold: str | None = None  # None: DuckDB's default (16MB)
+    # DuckDB's buffer cache otherwise grows with the database up to 80 % of RAM (measured: ~100 MB a million rows);
+    # queries needing more spill to disk. "" = DuckDB's default.
+    memory_limit: str = "256MB"
     allow_uids: tuple[str, ...] = ()  # extra uids (numbers or user names) that may stream into the socket
     allow_remote_without_token: bool = False
     max_label_runs: int | None = None  # None: $KVFABRIC_MAX_LABEL_RUNS or 64
@@ -71,6 +74,7 @@ class CollectorConfig:
             coalesce_rows=self.coalesce_rows,
             coalesce_ms=self.coalesce_ms,
             checkpoint_threshold=self.checkpoint_threshold,
+            memory_limit=self.memory_limit or None,
             allow_uids=parse_uids(self.allow_uids),
         )
 
@@ -89,6 +93,7 @@ class CollectorConfig:
             argv.append("--no-http")
         if self.checkpoint_threshold:
             argv += ["--checkpoint-threshold", self.checkpoint_threshold]
+        argv += ["--memory-limit", self.memory_limit]
         for uid in self.allow_uids:
             argv += ["--allow-uid", uid]
         if self.allow_remote_without_token:
@@ -178,6 +183,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest string value; a batch with a longer one is refused (default: %(default)s)")
     parser.add_argument("--checkpoint-threshold", default=None, metavar="SIZE",
                         help="WAL size at which DuckDB checkpoints, e.g. 16MB (default: DuckDB's)")
+    parser.add_argument("--memory-limit", default=d.memory_limit, metavar="SIZE",
+                        help="DuckDB's memory limit: bounds its cache of the database, which otherwise grows with the "
+                        "file; queries that need more spill to disk; '' = DuckDB's default, 80%% of RAM "
+                        "(default: %(default)s)")
     parser.add_argument("--coalesce-rows", type=int, default=d.coalesce_rows,
                         help="rows per DuckDB insert the writer aims for (default: %(default)s)")
     parser.add_argument("--coalesce-ms", type=int, default=d.coalesce_ms,
@@ -211,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> CollectorConfig:
         coalesce_rows=args.coalesce_rows,
         coalesce_ms=args.coalesce_ms,
         checkpoint_threshold=args.checkpoint_threshold,
+        memory_limit=args.memory_limit,
         allow_uids=tuple(args.allow_uids),
         allow_remote_without_token=args.allow_remote_without_token,
         max_label_runs=args.max_label_runs,

@@ -347,6 +347,13 @@ def _vllm_version() -> str:
         return "unknown"
 
 
+def evicted_memory_for(num_blocks: int) -> int:
+    """Default bound on the evicted digests the expander remembers: 64 turnovers of the pool, at least 65,536 and
+    at most 1,000,000 (~250 bytes each). Rebuilt detection past it falls to the collector's exact SQL; a fixed
+    million would keep a small pool's forwarder growing for an hour before it plateaus."""
+    return max(65_536, min(1_000_000, 64 * num_blocks))
+
+
 def stream_metadata(
     settings: HookSettings, *, engine: str, policy: str, block_size: int, num_blocks: int, null_block: int = 0
 ) -> dict[str, str]:
@@ -360,7 +367,7 @@ def stream_metadata(
         S.META_NUM_BLOCKS: str(num_blocks),
         S.META_POLICY: policy,
         S.META_SETTINGS: json.dumps({**settings.as_metadata(), "policy": policy, "null_block": null_block,
-                                     "evicted_memory": settings.evicted_memory}),
+                                     "evicted_memory": settings.evicted_memory or evicted_memory_for(num_blocks)}),
     }
 
 

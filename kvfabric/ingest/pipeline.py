@@ -48,6 +48,7 @@ class IngestSettings:
     coalesce_ms: int = 100
     gap_grace_s: float = 5.0
     checkpoint_threshold: str | None = None  # DuckDB size string; None = DuckDB's default (16MB)
+    memory_limit: str | None = None  # DuckDB size string; None = DuckDB's default (80 % of RAM)
     allow_uids: frozenset[int] = field(default_factory=frozenset)
 
 
@@ -67,7 +68,7 @@ class IngestPipeline:
 
     def start(self) -> None:
         s = self.settings
-        self.con = open_database(s.db_path, s.checkpoint_threshold)
+        self.con = open_database(s.db_path, s.checkpoint_threshold, s.memory_limit)
         # Reader connections are made from a parent that no query ever runs on, under a lock, so they never touch
         # the writer's connection object from another thread.
         self._readers_parent = self.con.cursor()
@@ -132,7 +133,7 @@ class IngestPipeline:
                         pass
             self._readers_parent = None
             self.con = None
-            con = open_database(s.db_path, s.checkpoint_threshold)
+            con = open_database(s.db_path, s.checkpoint_threshold, s.memory_limit)
             self.con = con
             self._readers_parent = con.cursor()
             return con

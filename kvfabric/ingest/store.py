@@ -153,25 +153,30 @@ def _migrate(con: duckdb.DuckDBPyConnection, path: str, found: str) -> None:
         raise
 
 
-def open_database(path: str, checkpoint_threshold: str | None = None) -> duckdb.DuckDBPyConnection:
+def open_database(path: str, checkpoint_threshold: str | None = None,
+                  memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     """Open (creating if needed) the collector's database read-write and ensure its tables.
 
     DuckDB lets one process open a file read-write; a second collector (or ``kvfabric query``) on the same file
     fails here with DuckDB's lock error, which names the holding process. ``checkpoint_threshold`` (a DuckDB size
-    such as ``"16MB"``, its default) is the WAL size at which a commit also checkpoints into the file.
+    such as ``"16MB"``, its default) is the WAL size at which a commit also checkpoints into the file;
+    ``memory_limit`` (e.g. ``"256MB"``) bounds DuckDB's memory, its cache of the file included.
     """
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     con = duckdb.connect(path)
     try:
-        _prepare(con, path, checkpoint_threshold)
+        _prepare(con, path, checkpoint_threshold, memory_limit)
     except BaseException:
         con.close()
         raise
     return con
 
 
-def _prepare(con: duckdb.DuckDBPyConnection, path: str, checkpoint_threshold: str | None) -> None:
+def _prepare(con: duckdb.DuckDBPyConnection, path: str, checkpoint_threshold: str | None,
+             memory_limit: str | None = None) -> None:
+    if memory_limit:
+        con.execute(f"SET memory_limit = '{memory_limit.replace(chr(39), '')}'")
     if checkpoint_threshold:
         con.execute(f"SET checkpoint_threshold = '{checkpoint_threshold.replace(chr(39), '')}'")
     con.execute("CREATE TABLE IF NOT EXISTS kvfabric_meta (key VARCHAR, value VARCHAR)")
