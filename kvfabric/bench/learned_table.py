@@ -143,7 +143,9 @@ def held_out_points(data: dict[str, Any]) -> list[dict[str, Any]]:
         if r["policy"] != "learned":
             continue
         if r["split"] == "trace":
-            base = {p: _pick(sweep, trace=r["trace"], fraction=r["fraction"], policy=p, anchor=0)
+            # Matched by the trace's file name: results files written from another checkout hold other paths.
+            base = {p: next((s for s in sweep if _short(s["trace"]) == _short(r["trace"])
+                             and s["fraction"] == r["fraction"] and s["policy"] == p and s.get("anchor") == 0), None)
                     for p in ("lru", "adaptive_aging", "optimal")}
         else:
             base = {p: _pick(data["learned_eval"], split="half", trace=r["trace"], part=r["part"],
