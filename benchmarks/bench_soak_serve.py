@@ -304,7 +304,7 @@ def main() -> int:
         wait_quiescent(collector.http_url or "", run_id, timeout=120)
         sampler.stop()
         ready_at = sampler.samples and next((s["t_s"] for s in sampler.samples if "engine_core" in s), 0.0)
-        coll = fetch_run(collector.http_url or "", run_id)["summary"]
+        coll = fetch_run(collector.http_url or "", run_id, timeout=600)["summary"]  # millions of events
         bench = json.loads(bench_out.read_text())["summary"]
     finally:
         server.stop()

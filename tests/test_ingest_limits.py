@@ -212,3 +212,25 @@ def test_a_trickled_schema_cannot_outrun_the_handshake_deadline() -> None:
 
         send_stream(files.socket_path, meta("fine", "run-fine", "e0"), bulk_batches("run-fine", "e0", 2, 10))
         wait_until(lambda: stored(files.http_url, "run-fine") == 20, what="a good stream afterwards")
+
+
+def test_duckdb_memory_is_capped_by_default_and_the_flag_lifts_it(tmp_path) -> None:
+    """DuckDB's cache of the file grew the collector ~100 MB per million stored rows (docs/reliability.md §3): the
+    collector's default config caps it, and ``--memory-limit ''`` gives DuckDB's own default back."""
+    from kvfabric.collector.config import config_from_args
+    from kvfabric.collector.main import build_parser
+    from kvfabric.ingest.store import open_database
+
+    def applied(argv: list[str], name: str) -> str:
+        args = build_parser().parse_args(["--db", str(tmp_path / name), *argv])
+        s = config_from_args(args).ingest_settings()
+        con = open_database(s.db_path, s.checkpoint_threshold, s.memory_limit)
+        try:
+            return str(con.execute("SELECT current_setting('memory_limit')").fetchone()[0])
+        finally:
+            con.close()
+
+    capped = applied([], "a.duckdb")
+    assert capped.endswith("MiB") and 240 <= float(capped.split()[0]) <= 250, capped  # 256 MB = 244.1 MiB
+    lifted = applied(["--memory-limit", ""], "b.duckdb")
+    assert lifted != capped and "GiB" in lifted, lifted  # DuckDB's default: 80 % of this machine's RAM

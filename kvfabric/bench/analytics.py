@@ -52,11 +52,11 @@ def wait_quiescent(http_url: str, run_id: str, *, settle_s: float = 2.0, timeout
         time.sleep(0.25)
 
 
-def fetch_run(http_url: str, run_id: str) -> dict[str, Any]:
+def fetch_run(http_url: str, run_id: str, timeout: float = 10.0) -> dict[str, Any]:
     """The collector's analytics of one run: summary and families (most wasted prefill first)."""
     q = urllib.parse.quote(run_id, safe="")
-    summary = _get(f"{http_url}/api/v1/runs/{q}/summary")
-    fams = _get(f"{http_url}/api/v1/families?run={q}&limit=1000")
+    summary = _get(f"{http_url}/api/v1/runs/{q}/summary", timeout)
+    fams = _get(f"{http_url}/api/v1/families?run={q}&limit=1000", timeout)
     families = fams["items"] if isinstance(fams, dict) else fams
     return {"summary": summary, "families": families}
 
