@@ -44,8 +44,8 @@ class CollectorConfig:
     coalesce_rows: int = 245_760
     coalesce_ms: int = 100
     checkpoint_threshold: str | None = None  # None: DuckDB's default (16MB)
-    # DuckDB's buffer cache otherwise grows with the database up to 80 % of RAM (measured: ~100 MB a million rows);
-    # queries needing more spill to disk. "" = DuckDB's default.
+    # DuckDB's buffer cache otherwise grows with the database up to 80 % of RAM
+    # (benchmarks/results/collector_memory.md); queries needing more spill to disk. "" = DuckDB's default.
     memory_limit: str = "256MB"
     allow_uids: tuple[str, ...] = ()  # extra uids (numbers or user names) that may stream into the socket
     allow_remote_without_token: bool = False
