@@ -3,7 +3,7 @@
 # (torch.compile + CUDA graphs), KV limited by --num-gpu-blocks-override so that the scenarios are under pressure;
 # template_family_revisit and ordinary_unique_cold, lru against adaptive_aging, 3 repetitions each.
 #
-# On the GPU machine, from the checkout root, after the staging recipe of ../shared/gpu/README.md (vLLM 0.26.0 and
+# On the GPU machine, from the checkout root, after the staging recipe of benchmarks/gpu/staging/README.md (vLLM 0.26.0 and
 # this project's wheel, duckdb, installed into /tmp/site):
 #     OUT=$OUT bash benchmarks/gpu/ab_h200.sh
 # Results: $OUT/ab/run/<scenario>/{report.md,ab.json,plan.json,runs/,logs/}, $OUT/ab/ab.jsonl (the --format json

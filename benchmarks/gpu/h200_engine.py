@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The real vLLM engine (0.26.0 on the lent H200) with and without KVFabric: overhead, events, policies.
 
-Runs on the GPU machine after the staging recipe of ``shared/gpu/README.md`` (vLLM 0.26 + this project's wheel
-+ duckdb installed into /tmp/site). One driver process starts a real KVFabric collector, then runs each *arm* in
-a fresh child process (a fresh engine), interleaved A/B/A/B so drift hits every arm alike:
+Runs on the GPU machine after the staging recipe of ``benchmarks/gpu/staging/README.md`` (vLLM 0.26 + this
+project's wheel + duckdb installed into /tmp/site). One driver process starts a real KVFabric collector, then runs
+each *arm* in a fresh child process (a fresh engine), interleaved A/B/A/B so drift hits every arm alike:
 
   plain            vLLM without any KVFABRIC_* variable (the plugin is installed but does nothing)
   lru              KVFABRIC_LIFECYCLE=1, vLLM's own LRU, events streamed to the collector

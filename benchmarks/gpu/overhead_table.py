@@ -90,7 +90,7 @@ def main() -> int:
         "",
         "Written by `python benchmarks/gpu/overhead_table.py` from the files `benchmarks/gpu/h200_overhead.py` brought",
         f"back (`{args.dir}/`). Date of the runs: 2026-12-01. Machine: one NVIDIA H200 (143,771 MiB), 16 CPU cores,",
-        "Python 3.12, torch 2.11, vLLM 0.26.0 and this project's wheel installed by the shared GPU recipe",
+        "Python 3.12, torch 2.11, vLLM 0.26.0 and this project's wheel staged by benchmarks/gpu/staging/README.md",
         "(PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONHASHSEED=0).",
         "",
         "Method: every arm is one `vllm.LLM` engine (dummy weights, torch.compile + CUDA graphs, 1,500 KV blocks,",

@@ -1,7 +1,7 @@
 -- families($run, $family, $min_wasted_tokens, $limit): per (run, family) analytics, most wasted prefill first.
 -- $run NULL means every run (slower: pass a run on large databases).
 -- A prefix_lookup row carries the family of its request; block rows carry the family of the request that sealed
--- the block (DESIGN.md §5). Ratios are 0 when the denominator is 0; mean_time_to_rebuild_s is NULL without rebuilds.
+-- the block (docs/design.md §5). Ratios are 0 when the denominator is 0; mean_time_to_rebuild_s is NULL without rebuilds.
 -- One scan restricted to the three event types that matter, grouped by (run, family, engine) so the block size
 -- join happens on the small grouped result.
 WITH g AS (

@@ -1,4 +1,4 @@
--- run_summary($run): the analytics contract of DESIGN.md §5 for one run, one row.
+-- run_summary($run): the analytics contract of docs/design.md §5 for one run, one row.
 --   prompt_tokens, prefix_hit_tokens   sums over prefix_lookup rows
 --   evicted_blocks                     count of block_evicted
 --   shared_anchor_eviction_ratio       block_evicted with share_degree >= 2 / evicted
