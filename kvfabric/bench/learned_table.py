@@ -23,12 +23,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvfabric.bench.table_rows import gap_closed, pick, trace_name
+
 MODELS_DIR = "benchmarks/results/policy_models"
 HALF_BLOCK_SIZE = 512
 
-
-def _short(path: str) -> str:
-    return os.path.basename(path).removesuffix(".jsonl").removeprefix("mooncake_")
 
 
 def _rows(path: str) -> int:
@@ -40,7 +39,7 @@ def model_tasks(traces: Sequence[str], block_size: int, models_dir: str) -> list
     """What to train: each whole trace at ``block_size``, each half of each trace at 512-token blocks."""
     tasks = []
     for tr in traces:
-        name = _short(tr)
+        name = trace_name(tr)
         tasks.append({"policy": "learn", "num_blocks": 0, "trace": tr, "skip": 0, "limit": None,
                       "block_size": block_size, "out": f"{models_dir}/{name}.json", "split": "trace"})
         n = _rows(tr)
@@ -86,7 +85,7 @@ def eval_tasks(traces: Sequence[str], fractions: Sequence[float], block_size: in
                 n = max(int(u * f), floor(tr, None, block_size, 0))
                 tasks.append({"split": "trace", "trace": tr, "trained_on": other, "skip": 0, "limit": None,
                               "fraction": f, "num_blocks": n, "policy": "learned", "block_size": block_size,
-                              "model": f"{models_dir}/{_short(other)}.json", "anchor": 0})
+                              "model": f"{models_dir}/{trace_name(other)}.json", "anchor": 0})
     for tr in traces:
         total = _rows(tr)
         half = total // 2
@@ -95,11 +94,11 @@ def eval_tasks(traces: Sequence[str], fractions: Sequence[float], block_size: in
             for f in fractions:
                 n = max(int(u * f), 400, floor(tr, limit, HALF_BLOCK_SIZE, skip))
                 for p in ("lru", "adaptive_aging", "optimal", "learned"):
-                    task = {"split": "half", "trace": tr, "part": part, "trained_on": f"{_short(tr)} half {other}",
+                    task = {"split": "half", "trace": tr, "part": part, "trained_on": f"{trace_name(tr)} half {other}",
                             "skip": skip, "limit": limit, "fraction": f, "num_blocks": n, "policy": p,
                             "block_size": HALF_BLOCK_SIZE, "anchor": 0}
                     if p == "learned":
-                        task["model"] = f"{models_dir}/{_short(tr)}-half-{other}.json"
+                        task["model"] = f"{models_dir}/{trace_name(tr)}-half-{other}.json"
                     tasks.append(task)
     return tasks
 
@@ -116,23 +115,13 @@ def real_tasks(traces: Sequence[str], fractions: Sequence[float], block_size: in
             n = max(int(u * f), floor(tr, None, block_size, 0))
             tasks.append({"trace": tr, "trained_on": other, "limit": None, "fraction": f, "num_blocks": n,
                           "policy": "learned", "block_size": block_size, "anchor": 0,
-                          "model": f"{models_dir}/{_short(other)}.json"})
+                          "model": f"{models_dir}/{trace_name(other)}.json"})
     return tasks
 
 
 # --------------------------------------------------------------------------------------------- rendering
 
 
-def _pick(rows: list[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
-    for r in rows:
-        if all(r.get(k) == v for k, v in kw.items()):
-            return r
-    return None
-
-
-def _closed(p: float, lru: float, opt: float) -> float | None:
-    gap = opt - lru
-    return None if gap <= 1e-12 else (p - lru) / gap
 
 
 def held_out_points(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -144,24 +133,24 @@ def held_out_points(data: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         if r["split"] == "trace":
             # Matched by the trace's file name: results files written from another checkout hold other paths.
-            base = {p: next((s for s in sweep if _short(s["trace"]) == _short(r["trace"])
+            base = {p: next((s for s in sweep if trace_name(s["trace"]) == trace_name(r["trace"])
                              and s["fraction"] == r["fraction"] and s["policy"] == p and s.get("anchor") == 0), None)
                     for p in ("lru", "adaptive_aging", "optimal")}
         else:
-            base = {p: _pick(data["learned_eval"], split="half", trace=r["trace"], part=r["part"],
+            base = {p: pick(data["learned_eval"], split="half", trace=r["trace"], part=r["part"],
                              fraction=r["fraction"], policy=p) for p in ("lru", "adaptive_aging", "optimal")}
         if any(v is None for v in base.values()):
             continue
-        pt = {"split": r["split"], "trace": _short(r["trace"]), "part": r.get("part"), "fraction": r["fraction"],
-              "num_blocks": r["num_blocks"], "trained_on": _short(r["trained_on"]) if r["split"] == "trace"
+        pt = {"split": r["split"], "trace": trace_name(r["trace"]), "part": r.get("part"), "fraction": r["fraction"],
+              "num_blocks": r["num_blocks"], "trained_on": trace_name(r["trained_on"]) if r["split"] == "trace"
               else r["trained_on"], "learned": r["prefix_hit_rate"] * 100,
               "trust": (r.get("policy_state") or {}).get("guard_trust"),
               "learned_wasted": r["wasted_prefill_tokens"]}
         for p, v in base.items():
             pt[p] = v["prefix_hit_rate"] * 100  # type: ignore[index]
         pt["gap"] = pt["optimal"] - pt["lru"]
-        pt["closed_learned"] = _closed(pt["learned"], pt["lru"], pt["optimal"])
-        pt["closed_aa"] = _closed(pt["adaptive_aging"], pt["lru"], pt["optimal"])
+        pt["closed_learned"] = gap_closed(pt["learned"], pt["lru"], pt["optimal"])
+        pt["closed_aa"] = gap_closed(pt["adaptive_aging"], pt["lru"], pt["optimal"])
         points.append(pt)
     return points
 
@@ -193,7 +182,7 @@ def render(data: dict[str, Any], w: Callable[[str], None], plots_dir: Path) -> N
         v = m["validation"]
         part = "whole trace" if m["split"] == "trace" else f"half {m['part']} (rows {m['skip']:,}-"\
             f"{m['skip'] + m['limit']:,})"
-        w(f"| `{os.path.basename(m['out'])}` | {_short(m['trace'])}, {part} | {m['block_size']} tokens | "
+        w(f"| `{os.path.basename(m['out'])}` | {trace_name(m['trace'])}, {part} | {m['block_size']} tokens | "
           f"{m['classes']} ({m['favoured_classes']}) | {m['base_rate']:.3f} | {v.get('auc')} | "
           f"{v.get('log_loss')} ({v.get('log_loss_base_rate')}) | {'yes' if m['predictive'] else 'no'} | "
           f"{m['wall_s']:.0f} |")
@@ -242,18 +231,18 @@ def render(data: dict[str, Any], w: Callable[[str], None], plots_dir: Path) -> N
           "gap closed | replay wall s |")
         w("|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(real, key=lambda r: (r["trace"], r["fraction"])):
-            fast = _pick(points, split="trace", trace=_short(r["trace"]), fraction=r["fraction"])
-            lru = _pick(data.get("full_real", []), trace=r["trace"], fraction=r["fraction"], policy="lru")
-            opt = _pick(data.get("full_real", []), trace=r["trace"], fraction=r["fraction"], policy="optimal")
+            fast = pick(points, split="trace", trace=trace_name(r["trace"]), fraction=r["fraction"])
+            lru = pick(data.get("full_real", []), trace=r["trace"], fraction=r["fraction"], policy="lru")
+            opt = pick(data.get("full_real", []), trace=r["trace"], fraction=r["fraction"], policy="optimal")
             lr = lru["prefix_hit_rate"] * 100 if lru else None
             orr = opt["prefix_hit_rate"] * 100 if opt else None
             lv = r["prefix_hit_rate"] * 100
-            c = _closed(lv, lr, orr) if lr is not None and orr is not None else None
+            c = gap_closed(lv, lr, orr) if lr is not None and orr is not None else None
             lru_s = "-" if lr is None else f"{lr:.2f}"
             fast_s = "-" if fast is None else f"{fast['learned']:.2f}"
             opt_s = "-" if orr is None else f"{orr:.2f}"
-            w(f"| {_short(r['trace'])} | {_short(r['trained_on'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | "
-              f"{lru_s} | {lv:.2f} | {fast_s} | {opt_s} | {_pct(c)} | {r['replay_wall_s']:.0f} |")
+            w(f"| {trace_name(r['trace'])} | {trace_name(r['trained_on'])} | {r['fraction']:.0%} | "
+              f"{r['num_blocks']:,} | {lru_s} | {lv:.2f} | {fast_s} | {opt_s} | {_pct(c)} | {r['replay_wall_s']:.0f} |")
         w("")
     w("![gap closed on held-out traffic: learned vs adaptive_aging](policy-learned-gap.png)")
     w("")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.bench import learned_table
+from kvfabric.bench.table_rows import gap_closed, pick, trace_name
 
 # Relative to the repository root (run from there): the traces sit beside the checkout, too big to carry in it.
 DEFAULT_TRACES = (
@@ -212,21 +213,7 @@ def run_all(traces: Sequence[str], fractions: Sequence[float], block_size: int, 
 # --------------------------------------------------------------------------------------------- rendering
 
 
-def _pick(rows: list[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
-    for r in rows:
-        if all(r.get(k) == v for k, v in kw.items()):
-            return r
-    return None
 
-
-def _gap_closed(p: float, lru: float, opt: float) -> float | None:
-    gap = opt - lru
-    return None if gap <= 1e-12 else (p - lru) / gap
-
-
-def _short(path: str) -> str:
-    name = os.path.basename(path).removesuffix(".jsonl")
-    return name.removeprefix("mooncake_")
 
 
 def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
@@ -256,7 +243,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("")
     for tr in meta["traces"]:
         info = meta["traces"][tr]
-        name = _short(tr)
+        name = trace_name(tr)
         w(f"### {name}")
         w("")
         w(f"{info['rows']:,} requests, {info['unique_blocks']:,} unique 16-token blocks.")
@@ -267,12 +254,12 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
           f"{OURS} |")
         w("|---|---|" + "---|" * (len(POLICIES) + 2))
         for f in meta["fractions"]:
-            row = {p: _pick(sweep, trace=tr, fraction=f, policy=p, anchor=0) for p in POLICIES}
+            row = {p: pick(sweep, trace=tr, fraction=f, policy=p, anchor=0) for p in POLICIES}
             if any(v is None for v in row.values()):
                 continue
             rates = {p: row[p]["prefix_hit_rate"] * 100 for p in POLICIES}  # type: ignore[index]
             gap = rates["optimal"] - rates["lru"]
-            closed = _gap_closed(rates[OURS], rates["lru"], rates["optimal"])
+            closed = gap_closed(rates[OURS], rates["lru"], rates["optimal"])
             cells = []
             for p in POLICIES:
                 mark = ""
@@ -289,7 +276,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         for f in meta["fractions"]:
             rates = {}
             for p in POLICIES:
-                r = _pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
+                r = pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
                 if r is not None:
                     rates[p] = r["prefix_hit_rate"]
             if len(rates) < len(POLICIES):
@@ -298,7 +285,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
             for p in POLICIES:
                 if p in ("lru", "optimal"):
                     continue
-                c = _gap_closed(rates[p], rates["lru"], rates["optimal"])
+                c = gap_closed(rates[p], rates["lru"], rates["optimal"])
                 cells.append("-" if c is None else f"{c:.0%}")
             w(f"| {f:.0%} | " + " | ".join(cells) + " |")
         w("")
@@ -309,7 +296,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         for f in meta["fractions"]:
             cells = []
             for p in POLICIES:
-                r = _pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
+                r = pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
                 cells.append("-" if r is None else f"{r['wasted_prefill_tokens'] / 1e6:.2f}")
             w(f"| {f:.0%} | " + " | ".join(cells) + " |")
         w("")
@@ -322,7 +309,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         for f in meta["fractions"]:
             vals = []
             for p, a in (("lru", 0), ("lru", 24), (OURS, 0), (OURS, 24)):
-                r = _pick(sweep, trace=tr, fraction=f, policy=p, anchor=a)
+                r = pick(sweep, trace=tr, fraction=f, policy=p, anchor=a)
                 vals.append("-" if r is None else f"{r['prefix_hit_rate'] * 100:.2f}")
             w(f"| {f:.0%} | " + " | ".join(vals) + " |")
         w("")
@@ -341,10 +328,10 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
           "wasted fast | replay wall s |")
         w("|---|---|---|---|---|---|---|---|---|")
         for r in sorted(data["full_real"], key=lambda r: (r["trace"], r["fraction"], POLICIES.index(r["policy"]))):
-            fst = _pick(sweep, trace=r["trace"], fraction=r["fraction"], policy=r["policy"], anchor=0)
+            fst = pick(sweep, trace=r["trace"], fraction=r["fraction"], policy=r["policy"], anchor=0)
             fast_rate = "-" if fst is None else f"{fst['prefix_hit_rate'] * 100:.2f}"
             fast_waste = "-" if fst is None else f"{fst['wasted_prefill_tokens'] / 1e6:.2f}"
-            w(f"| {_short(r['trace'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | {r['policy']} | "
+            w(f"| {trace_name(r['trace'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | {r['policy']} | "
               f"{r['prefix_hit_rate'] * 100:.2f} | {fast_rate} | {r['wasted_prefill_tokens'] / 1e6:.2f} | "
               f"{fast_waste} | {r['replay_wall_s']:.0f} |")
         w("")
@@ -358,10 +345,10 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("| trace | capacity | blocks | policy | hit rate real | hit rate fast | rebuilt real | rebuilt fast |")
     w("|---|---|---|---|---|---|---|---|")
     for r in data["agree_real"]:
-        fst = _pick(data["agree_fast"], trace=r["trace"], fraction=r["fraction"], policy=r["policy"])
+        fst = pick(data["agree_fast"], trace=r["trace"], fraction=r["fraction"], policy=r["policy"])
         if fst is None:
             continue
-        w(f"| {_short(r['trace'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | {r['policy']} | "
+        w(f"| {trace_name(r['trace'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | {r['policy']} | "
           f"{r['prefix_hit_rate'] * 100:.3f} | {fst['prefix_hit_rate'] * 100:.3f} | "
           f"{r['rebuilt_from_eviction_blocks']:,} | {fst['rebuilt_from_eviction_blocks']:,} |")
     w("")
@@ -375,13 +362,13 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("|---|---|---|---|---|---|")
     for tr in meta["traces"]:
         for f in meta["fractions"]:
-            rs = {p: _pick(data["robust"], trace=tr, fraction=f, policy=p) for p in ("lru", OURS, "optimal")}
+            rs = {p: pick(data["robust"], trace=tr, fraction=f, policy=p) for p in ("lru", OURS, "optimal")}
             if any(v is None for v in rs.values()):
                 continue
             lru, ours, opt = (rs[p]["prefix_hit_rate"] * 100 for p in ("lru", OURS, "optimal"))  # type: ignore[index]
-            c = _gap_closed(ours, lru, opt)
+            c = gap_closed(ours, lru, opt)
             mark = " ↓" if ours < lru - 0.005 else ""
-            w(f"| {_short(tr)} | {f:.0%} | {lru:.2f} | {ours:.2f}{mark} | {opt:.2f} | "
+            w(f"| {trace_name(tr)} | {f:.0%} | {lru:.2f} | {ours:.2f}{mark} | {opt:.2f} | "
               f"{'-' if c is None else f'{c:.0%}'} |")
     w("")
     text = "\n".join(lines) + "\n"
@@ -418,12 +405,12 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
     styles = {"lru": ("k", "o"), "family_protect": ("tab:orange", "s"), "shared_aware": ("tab:purple", "^"),
               "adaptive_aging": ("tab:green", "D"), "optimal": ("tab:red", "")}
     for tr in meta["traces"]:
-        name = _short(tr)
+        name = trace_name(tr)
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for p in POLICIES:
             xs, ys = [], []
             for f in meta["fractions"]:
-                r = _pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
+                r = pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
                 if r is not None:
                     xs.append(f * 100)
                     ys.append(r["prefix_hit_rate"] * 100)
@@ -433,7 +420,7 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
                       key=lambda r: r["fraction"])
         if held:
             ax.plot([r["fraction"] * 100 for r in held], [r["prefix_hit_rate"] * 100 for r in held], marker="v",
-                    color="tab:blue", label=f"learned (model of {_short(held[0]['trained_on'])})")
+                    color="tab:blue", label=f"learned (model of {trace_name(held[0]['trained_on'])})")
         ax.set_xscale("log")
         ax.set_xticks([f * 100 for f in meta["fractions"]])
         ax.set_xticklabels([f"{f:.0%}" for f in meta["fractions"]])
@@ -456,10 +443,10 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
         for i, p in enumerate(policies):
             vals = []
             for f in fr:
-                rs = {q: _pick(sweep, trace=tr, fraction=f, policy=q, anchor=0) for q in ("lru", p, "optimal")}
+                rs = {q: pick(sweep, trace=tr, fraction=f, policy=q, anchor=0) for q in ("lru", p, "optimal")}
                 c = None
                 if all(v is not None for v in rs.values()):
-                    c = _gap_closed(rs[p]["prefix_hit_rate"], rs["lru"]["prefix_hit_rate"],  # type: ignore[index]
+                    c = gap_closed(rs[p]["prefix_hit_rate"], rs["lru"]["prefix_hit_rate"],  # type: ignore[index]
                                     rs["optimal"]["prefix_hit_rate"])  # type: ignore[index]
                 vals.append(0.0 if c is None else max(-1.0, c) * 100)
             ax.bar([j + i * width for j in range(len(fr))], vals, width, color=styles[p][0], label=p)
@@ -470,7 +457,7 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
         ax.set_ylim(-100, 100)
         ax.set_xlabel("cache capacity")
         ax.set_ylabel("LRU-to-optimum gap closed (%), clipped at -100")
-        ax.set_title(_short(tr))
+        ax.set_title(trace_name(tr))
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8, loc="lower left")
     fig.tight_layout()
