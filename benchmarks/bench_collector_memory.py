@@ -28,11 +28,10 @@ BATCH = 4096
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    from kvfabric.bench.servers import process_stats
+
+    stats = process_stats(os.getpid())
+    return int(stats["rss_bytes"]) / 2**20 if stats is not None else 0.0
 
 
 def child(limit: str, rows: int) -> None:

@@ -45,12 +45,10 @@ _ENV = ("KVFABRIC_LIFECYCLE", "KVFABRIC_SINK", "KVFABRIC_RUN_ID", "KVFABRIC_EVIC
 
 def _process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far (0 when it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    from kvfabric.bench.servers import process_stats
+
+    stats = process_stats(pid)
+    return float(stats["cpu_s"]) if stats is not None else 0.0
 
 
 def run_mode(mode: str, sock: str, workload: list) -> tuple[float, float, int, float]:
