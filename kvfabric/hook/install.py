@@ -1,15 +1,17 @@
 """Per-instance hooks on one Scheduler's KVCacheManager and BlockPool, and :func:`build_hook`, the one way to build
 them (the plugin, the replay, the demo, the benchmarks and the tests all call it).
 
-How (docs/design.md §3): the pool's class is swapped for a subclass made on the fly (``block_pool.__class__ =
-...``), so every object already holding the pool keeps the same object, other pools (CPU offload, connectors) are
-untouched, and vLLM's own method bodies run unchanged via ``super()``. The KVCacheManager and the Scheduler get
-instance attributes that wrap the bound methods the scheduler calls, only to give pool calls their request context.
+How (docs/design.md §3): instance attributes on the one pool object wrap its bound methods (:func:`hook_pool`), so
+every object already holding the pool keeps the same object, other pools (CPU offload, connectors) and vLLM's classes
+are untouched, and vLLM's own method bodies run unchanged. The KVCacheManager gets instance attributes that wrap
+``allocate_slots`` and ``free``, only to give pool calls their request context and to see admissions.
+The Scheduler's own methods are not wrapped: a record's step is vLLM's ``scheduler.current_step``.
 
 What runs on vLLM's scheduler thread is a :class:`Recorder`: one compact record per vLLM call
-(:mod:`kvfabric.hook.records`), appended to a list, handed to an outlet once per scheduler step (a shared-memory
-ring read by the forwarder process, which expands records into events off vLLM's GIL). When a policy needs block
-statistics in-process, the steering keeper applies the same records to its side table at once.
+(:mod:`kvfabric.hook.records`), appended to a list, handed to an outlet every 20 ms, every 4096 records and when a
+request ends (:meth:`Recorder.add`; the outlet is a shared-memory ring read by the forwarder process, which expands
+records into events off vLLM's GIL). When a policy needs block statistics in-process, the steering keeper applies
+the same records to its side table at once.
 
 Invariants:
   * vLLM's original method always runs, with the same arguments, and its result or exception is returned or
@@ -33,13 +35,21 @@ from typing import Any
 
 from kvfabric import schema as S
 from kvfabric.config import HookSettings
+from kvfabric.hook import forwarding
 from kvfabric.hook import records as R
 from kvfabric.hook.hints import request_family
 from kvfabric.hook.outlets import Outlet, make_outlet
 
 log = logging.getLogger("kvfabric.hook")
 
-_TRACKED_CLASSES: dict[type, type] = {}
+HANDOVER_S = 0.02
+"""Records are handed over by the first record made this long after the last hand-over (see :meth:`Recorder.add`)."""
+HANDOVER_RECORDS = 4096
+"""... or when this many wait."""
+
+
+def _nothing() -> None:
+    pass
 
 
 def _flatten_blocks(blocks: Any) -> Sequence[Any]:
@@ -57,8 +67,8 @@ class Recorder:
     each record as it is made; ``log`` is None when events are not recorded (a policy alone).
     """
 
-    __slots__ = ("block_size", "clock", "errors", "families", "family_depth", "family_from_rid", "gate", "keeper",
-                 "log", "on", "rid", "step")
+    __slots__ = ("_step", "block_size", "clock", "errors", "families", "family_depth", "family_from_rid",
+                 "fresh_observers", "gate", "handover", "handover_at", "keeper", "log", "on", "rid", "stepper")
 
     def __init__(self, settings: HookSettings, recording: bool, block_size: int,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -68,12 +78,32 @@ class Recorder:
         self.log: list[tuple] | None = [] if recording else None
         self.keeper: Any = None
         self.gate: Any = None
-        self.step = 0
+        self._step = 0
+        #: The scheduler whose ``current_step`` (advanced by vLLM at the start of each ``schedule()``) is the records'
+        #: step; None for a bare KVCacheManager (step 0, or whatever a caller sets).
+        self.stepper: Any = None
+        #: Called as ``f(request, hit_tokens)`` when a request with nothing computed asks for slots (an admission
+        #: attempt), before it is recorded; steering's policy observes admissions here. Each handles its own errors.
+        self.fresh_observers: list[Callable[[Any, int], None]] = []
+        #: Hands the records made so far to the outlet (the installation's ``flush``; it never raises).
+        self.handover: Callable[[], None] = _nothing
+        #: ``time.monotonic()`` from which the next record triggers a hand-over (0: the next one does).
+        self.handover_at = 0.0
         self.rid: str | None = None  # the request whose KVCacheManager call is in progress (pool calls see it)
         self.errors = 0
         self.family_depth = settings.family_depth
         self.family_from_rid = settings.family_from_request_id
         self.families: dict[str, str | None] = {}
+
+    @property
+    def step(self) -> int:
+        """The scheduler step the current call belongs to (docs/design.md §4, column ``step``)."""
+        stepper = self.stepper
+        return self._step if stepper is None else stepper.current_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
 
     def failed(self, where: str) -> None:
         """KVFabric broke somewhere on vLLM's path: count, log once, stop recording; vLLM is not affected."""
@@ -83,11 +113,22 @@ class Recorder:
             log.exception("kvfabric: %s failed; KVFabric is now off for this engine (vLLM is unaffected)", where)
 
     def add(self, record: tuple) -> None:
+        """Apply ``record`` to the keeper (if a policy reads statistics) and log it (if recording).
+
+        Hand-over happens here, from the recording call itself, not from a wrapper on a per-step scheduler method:
+        on this path every extra Python frame per step shows in the scheduler's time, and a hand-over has a fixed
+        cost (~10 µs in the scheduler's cold caches) that short steps would pay thousands of times a second. So the
+        records go once HANDOVER_S has passed since the last hand-over, HANDOVER_RECORDS wait, or a request ended
+        (its end is recorded with ``handover_at`` = 0, so the last records before an engine idles go out at once).
+        """
         keeper = self.keeper
         if keeper is not None:
             keeper.apply_one(record)
-        if self.log is not None:
-            self.log.append(record)
+        log = self.log
+        if log is not None:
+            log.append(record)
+            if len(log) >= HANDOVER_RECORDS or time.monotonic() >= self.handover_at:
+                self.handover()
 
     def family_of(self, request: Any) -> str | None:
         """The request's family (docs/design.md §5), computed once per request (one dict lookup after)."""
@@ -107,161 +148,181 @@ class Recorder:
     def take(self) -> list[tuple]:
         """The records made since the last call (the caller owns them)."""
         out = self.log
+        self.handover_at = time.monotonic() + HANDOVER_S
         if not out:
             return []
         self.log = []
         return out
 
 
-def tracked_pool_class(base: type) -> type:
-    """A subclass of ``base`` (vLLM's BlockPool or a subclass of it) that records its calls in ``self._kvfabric``."""
-    cls = _TRACKED_CLASSES.get(base)
-    if cls is not None:
-        return cls
+POOL_HOOKS = ("get_new_blocks", "evict_blocks", "touch", "free_blocks", "unpin_blocks", "cache_full_blocks",
+              "move_block_hashes", "reset_prefix_cache")
+"""The pool methods :func:`hook_pool` wraps (instance attributes named after them; vLLM's class is untouched)."""
 
-    class TrackedBlockPool(base):  # type: ignore[misc, valid-type]
-        _kvfabric: Recorder
-        _kvfabric_own_blocks: bool  # blocks carry a .pool field (0.33+): a free may hand over others' blocks
 
-        def get_new_blocks(self, num_blocks: int, *args: Any, **kwargs: Any) -> list[Any]:
-            blocks = super().get_new_blocks(num_blocks, *args, **kwargs)
-            r = self._kvfabric
-            if r.on:
-                try:
-                    r.add((R.ALLOCATED, r.clock(), r.step, r.rid, [b.block_id for b in blocks]))
-                except Exception:
-                    r.failed("recording an allocation")
-            return blocks
+def hook_pool(pool: Any, r: Recorder) -> None:
+    """Record ``pool``'s calls in ``r``: instance attributes wrap the bound methods of this one pool object.
 
-        def evict_blocks(self, block_ids: Any, *args: Any, **kwargs: Any) -> None:
-            # Evictions by get_new_blocks are seen in the ALLOCATED record (the side table knows each block's
-            # digest); this is the other door, used by KV connectors. Recorded before vLLM clears the hashes.
-            r = self._kvfabric
-            if r.on:
-                try:
-                    n = len(self.blocks)
-                    ids = [b for b in block_ids if 0 <= b < n]
-                    r.add((R.EVICTING, r.clock(), r.step, r.rid, ids, [self.blocks[b].block_hash for b in ids]))
-                except Exception:
-                    r.failed("recording an eviction")
-            super().evict_blocks(block_ids, *args, **kwargs)
+    Why instance attributes and not a subclass swapped into ``pool.__class__``: on CPython 3.11 assigning
+    ``__class__`` turns the object's attribute storage into a plain dict, and every ``self.x`` in vLLM's own pool
+    methods then takes the slower lookup (``get_usage`` twice as slow: ``benchmarks/bench_hook_layout.py``); the
+    scheduler reads the pool many times per step. Adding attributes keeps the object's shared-key layout, so
+    vLLM's code runs as fast as unhooked.
+    """
+    # Blocks carry a .pool field (0.33+): a free may hand over other pools' blocks, which their own hook records.
+    own_blocks = bool(pool.blocks) and hasattr(pool.blocks[0], "pool")
+    get_new_blocks = pool.get_new_blocks
+    evict_blocks = pool.evict_blocks
+    touch = pool.touch
+    free_blocks = pool.free_blocks
+    unpin_blocks = pool.unpin_blocks
+    cache_full_blocks = pool.cache_full_blocks
+    move_block_hashes = getattr(pool, "move_block_hashes", None)
+    reset_prefix_cache = pool.reset_prefix_cache
+    hash_block_size = getattr(pool, "hash_block_size", None)
 
-        def touch(self, blocks: Any, *args: Any, **kwargs: Any) -> None:
-            super().touch(blocks, *args, **kwargs)
-            r = self._kvfabric
-            if r.on:
-                try:
-                    flat = _flatten_blocks(blocks)
-                    r.add((R.TOUCHED, r.clock(), r.step, r.rid, [b.block_id for b in flat], [b.ref_cnt for b in flat]))
-                except Exception:
-                    r.failed("recording a touch")
-
-        def free_blocks(self, ordered_blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
-            blocks = list(ordered_blocks)
-            super().free_blocks(blocks, *args, **kwargs)
-            r = self._kvfabric
-            if r.on:
-                try:
-                    if self._kvfabric_own_blocks:
-                        # Blocks of another pool were handed over to it: that pool's hook records them.
-                        blocks = [b for b in blocks if b.pool is self]
-                    r.add((R.FREED, r.clock(), r.step, r.rid, [b.block_id for b in blocks],
-                           [b.ref_cnt for b in blocks]))
-                except Exception:
-                    r.failed("recording a free")
-
-        def unpin_blocks(self, blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
-            blocks = list(blocks)
-            super().unpin_blocks(blocks, *args, **kwargs)
-            r = self._kvfabric
-            if r.on:
-                try:
-                    r.add((R.FREED, r.clock(), r.step, None, [b.block_id for b in blocks], [b.ref_cnt for b in blocks]))
-                except Exception:
-                    r.failed("recording an unpin")
-
-        def cache_full_blocks(
-            self,
-            request: Any,
-            blocks: list[Any],
-            num_cached_blocks: int,
-            num_full_blocks: int,
-            block_size: int,
-            kv_cache_group_id: int,
-            *args: Any,
-            **kwargs: Any,
-        ) -> None:
-            r = self._kvfabric
-            gate = r.gate
-            if gate is not None and r.on and num_cached_blocks < num_full_blocks:
-                # The admission gate narrows vLLM's own mask (docs/design.md §3: a masked block is never cached).
-                # Its mask() never raises: on any internal error vLLM's own mask stands.
-                mask = kwargs.pop("block_mask", args[0] if args else None)
-                args = ()
-                kwargs["block_mask"] = gate.mask(r, request, num_cached_blocks, num_full_blocks, mask)
-            super().cache_full_blocks(
-                request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, *args, **kwargs
-            )
-            if num_cached_blocks >= num_full_blocks or not r.on:
-                return
+    def kvfabric_get_new_blocks(num_blocks: int, *args: Any, **kwargs: Any) -> list[Any]:
+        blocks = get_new_blocks(num_blocks, *args, **kwargs)
+        if r.on:
             try:
-                start, end = num_cached_blocks, num_full_blocks
-                parent_raw = None
-                prev = None
-                if start > 0:
-                    p = blocks[start - 1]
-                    prev = p.block_id
-                    if getattr(self, "hash_block_size", block_size) == block_size:
-                        hashes = request.block_hashes
-                        if start - 1 < len(hashes):
-                            parent_raw = hashes[start - 1]
-                sealed = blocks[start:end]
-                r.add((R.SEALED, r.clock(), r.step, request.request_id, r.family_of(request), start, prev,
-                       [b.block_id for b in sealed], [b.block_hash for b in sealed], parent_raw))
+                r.add((R.ALLOCATED, r.clock(), r.step, r.rid, [b.block_id for b in blocks]))
             except Exception:
-                r.failed("recording a seal")
+                r.failed("recording an allocation")
+        return blocks
 
-        def move_block_hashes(self, src_block: Any, dst_block: Any, *args: Any, **kwargs: Any) -> None:
-            # The prefix cache keeps a private copy: src's identity moves to dst. Seen as an eviction of src's
-            # content and a seal of it in dst would be wrong (no prefill is recomputed), so the move is recorded.
-            super().move_block_hashes(src_block, dst_block, *args, **kwargs)
-            r = self._kvfabric
-            if r.on:
-                try:
-                    r.add((R.MOVED, r.clock(), r.step, r.rid, src_block.block_id, dst_block.block_id))
-                except Exception:
-                    r.failed("recording a hash move")
+    def kvfabric_evict_blocks(block_ids: Any, *args: Any, **kwargs: Any) -> None:
+        # Evictions by get_new_blocks are seen in the ALLOCATED record (the side table knows each block's digest);
+        # this is the other door, used by KV connectors. Recorded before vLLM clears the hashes.
+        if r.on:
+            try:
+                all_blocks = pool.blocks
+                n = len(all_blocks)
+                ids = [b for b in block_ids if 0 <= b < n]
+                r.add((R.EVICTING, r.clock(), r.step, r.rid, ids, [all_blocks[b].block_hash for b in ids]))
+            except Exception:
+                r.failed("recording an eviction")
+        evict_blocks(block_ids, *args, **kwargs)
 
-        def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-            ok = super().reset_prefix_cache(*args, **kwargs)
-            r = self._kvfabric
-            if ok and r.on:
-                try:
-                    r.add((R.RESET, r.clock(), r.step))
-                except Exception:
-                    r.failed("recording a reset")
-            return ok
+    def kvfabric_touch(blocks: Any, *args: Any, **kwargs: Any) -> None:
+        touch(blocks, *args, **kwargs)
+        if r.on:
+            try:
+                flat = _flatten_blocks(blocks)
+                r.add((R.TOUCHED, r.clock(), r.step, r.rid, [b.block_id for b in flat], [b.ref_cnt for b in flat]))
+            except Exception:
+                r.failed("recording a touch")
 
-    TrackedBlockPool.__name__ = f"KVFabric{base.__name__}"
-    TrackedBlockPool.__qualname__ = TrackedBlockPool.__name__
-    _TRACKED_CLASSES[base] = TrackedBlockPool
-    return TrackedBlockPool
+    def kvfabric_free_blocks(ordered_blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        blocks = list(ordered_blocks)
+        free_blocks(blocks, *args, **kwargs)
+        if r.on:
+            try:
+                if own_blocks:
+                    blocks = [b for b in blocks if b.pool is pool]
+                r.add((R.FREED, r.clock(), r.step, r.rid, [b.block_id for b in blocks], [b.ref_cnt for b in blocks]))
+            except Exception:
+                r.failed("recording a free")
+
+    def kvfabric_unpin_blocks(blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        blocks = list(blocks)
+        unpin_blocks(blocks, *args, **kwargs)
+        if r.on:
+            try:
+                r.add((R.FREED, r.clock(), r.step, None, [b.block_id for b in blocks], [b.ref_cnt for b in blocks]))
+            except Exception:
+                r.failed("recording an unpin")
+
+    def kvfabric_cache_full_blocks(
+        request: Any,
+        blocks: list[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        gate = r.gate
+        if gate is not None and r.on and num_cached_blocks < num_full_blocks:
+            # The admission gate narrows vLLM's own mask (docs/design.md §3: a masked block is never cached).
+            # Its mask() never raises: on any internal error vLLM's own mask stands.
+            mask = kwargs.pop("block_mask", args[0] if args else None)
+            args = ()
+            kwargs["block_mask"] = gate.mask(r, request, num_cached_blocks, num_full_blocks, mask)
+        cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
+                          *args, **kwargs)
+        if num_cached_blocks >= num_full_blocks or not r.on:
+            return
+        try:
+            start, end = num_cached_blocks, num_full_blocks
+            parent_raw = None
+            prev = None
+            if start > 0:
+                prev = blocks[start - 1].block_id
+                if (hash_block_size or block_size) == block_size:
+                    hashes = request.block_hashes
+                    if start - 1 < len(hashes):
+                        parent_raw = hashes[start - 1]
+            sealed = blocks[start:end]
+            r.add((R.SEALED, r.clock(), r.step, request.request_id, r.family_of(request), start, prev,
+                   [b.block_id for b in sealed], [b.block_hash for b in sealed], parent_raw))
+        except Exception:
+            r.failed("recording a seal")
+
+    def kvfabric_move_block_hashes(src_block: Any, dst_block: Any, *args: Any, **kwargs: Any) -> None:
+        # The prefix cache keeps a private copy: src's identity moves to dst. Seen as an eviction of src's content
+        # and a seal of it in dst would be wrong (no prefill is recomputed), so the move is recorded.
+        assert move_block_hashes is not None
+        move_block_hashes(src_block, dst_block, *args, **kwargs)
+        if r.on:
+            try:
+                r.add((R.MOVED, r.clock(), r.step, r.rid, src_block.block_id, dst_block.block_id))
+            except Exception:
+                r.failed("recording a hash move")
+
+    def kvfabric_reset_prefix_cache(*args: Any, **kwargs: Any) -> bool:
+        ok = reset_prefix_cache(*args, **kwargs)
+        if ok and r.on:
+            try:
+                r.add((R.RESET, r.clock(), r.step))
+            except Exception:
+                r.failed("recording a reset")
+        return ok
+
+    hooks = {
+        "get_new_blocks": kvfabric_get_new_blocks,
+        "evict_blocks": kvfabric_evict_blocks,
+        "touch": kvfabric_touch,
+        "free_blocks": kvfabric_free_blocks,
+        "unpin_blocks": kvfabric_unpin_blocks,
+        "cache_full_blocks": kvfabric_cache_full_blocks,
+        "move_block_hashes": kvfabric_move_block_hashes if move_block_hashes is not None else None,
+        "reset_prefix_cache": kvfabric_reset_prefix_cache,
+    }
+    for name, fn in hooks.items():
+        if fn is not None:
+            fn.__wrapped__ = getattr(pool, name)  # type: ignore[attr-defined]  # its own name stays (profiles)
+            setattr(pool, name, fn)
+    pool._kvfabric = r
 
 
 def _wrap_manager(manager: Any, r: Recorder) -> None:
-    """Instance wrappers giving pool calls their request, and recording admissions (``prefix_lookup``)."""
+    """Instance wrappers giving pool calls their request, and recording admissions (``prefix_lookup``).
+
+    ``allocate_slots`` runs for every running request in every step: its wrapper has vLLM's exact signature
+    (:mod:`kvfabric.hook.forwarding`) and only sets the request context; an admission attempt (nothing computed
+    yet) takes :func:`admit`, which observes and records it."""
     allocate_slots = manager.allocate_slots
     free = manager.free
+    hit_of = forwarding.argument_reader(allocate_slots, "num_new_computed_tokens", 0)
 
-    @functools.wraps(allocate_slots)
-    def kvfabric_allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        if not r.on:
-            return allocate_slots(request, num_new_tokens, *args, **kwargs)
-        fresh = False
+    def admit(request: Any, *args: Any, **kwargs: Any) -> Any:
+        recording = r.on
         try:
-            if request.num_computed_tokens == 0:
-                fresh = True
-                hit = kwargs.get("num_new_computed_tokens", args[0] if args else 0) or 0
+            hit = hit_of(request, *args, **kwargs) or 0
+            for observe in r.fresh_observers:
+                observe(request, hit)
+            if recording:
                 hashes = request.block_hashes
                 # The hashes the lookup wanted past its hit (a C-level slice): the expander finds regretful
                 # evictions among them before this allocation seals, and so rebuilds, them.
@@ -269,13 +330,14 @@ def _wrap_manager(manager: Any, r: Recorder) -> None:
                        request.num_prompt_tokens, len(hashes), hit, hashes[hit // r.block_size:]))
         except Exception:
             r.failed("recording a lookup")
+            recording = False
         # Manager calls do not nest, so the context is set and cleared (no saving of a previous one).
         r.rid = request.request_id
         try:
-            result = allocate_slots(request, num_new_tokens, *args, **kwargs)
+            result = allocate_slots(request, *args, **kwargs)
         finally:
             r.rid = None
-        if fresh and r.on:
+        if recording and r.on:
             try:
                 if result is not None:
                     r.add((R.ADMITTED, r.clock(), r.step, request.request_id))
@@ -294,39 +356,14 @@ def _wrap_manager(manager: Any, r: Recorder) -> None:
             r.rid = None
             if r.on:
                 try:
+                    r.handover_at = 0.0  # a request ended: hand its records over now
                     r.add((R.DONE, request.request_id))
                     r.families.pop(request.request_id, None)
                 except Exception:
                     r.failed("recording a request's end")
 
-    manager.allocate_slots = kvfabric_allocate_slots
+    manager.allocate_slots = forwarding.request_context_wrapper(allocate_slots, r, admit, "kvfabric_allocate_slots")
     manager.free = kvfabric_free
-
-
-def _wrap_step(scheduler: Any, installation: Installation) -> None:
-    """Count steps, and hand the step's records to the outlet once per step (after ``update_from_output``, and
-    before ``schedule`` for records made between steps: aborts, resets)."""
-    schedule = scheduler.schedule
-    update_from_output = scheduler.update_from_output
-    r = installation.recorder
-
-    @functools.wraps(schedule)
-    def kvfabric_schedule(*args: Any, **kwargs: Any) -> Any:
-        r.step += 1
-        if r.log:
-            installation.flush()
-        return schedule(*args, **kwargs)
-
-    @functools.wraps(update_from_output)
-    def kvfabric_update_from_output(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return update_from_output(*args, **kwargs)
-        finally:
-            if r.log:
-                installation.flush()
-
-    scheduler.schedule = kvfabric_schedule
-    scheduler.update_from_output = kvfabric_update_from_output
 
 
 def engine_id(scheduler: Any) -> str:
@@ -444,9 +481,8 @@ def build_hook(
     recorder = Recorder(settings, recording=settings.lifecycle, block_size=block_size, clock=clock or time.time_ns)
     out = make_outlet(outlet, settings, metadata)
     installation = Installation(recorder, out, metadata, num_blocks, block_size)
-    pool.__class__ = tracked_pool_class(type(pool))
-    pool._kvfabric = recorder
-    pool._kvfabric_own_blocks = bool(pool.blocks) and hasattr(pool.blocks[0], "pool")
+    hook_pool(pool, recorder)
+    recorder.handover = installation.flush
     _wrap_manager(manager, recorder)
     if settings.steers or policy is not None:
         # Policies, the admission gate and cache-aware scheduling change vLLM's decisions; plain lifecycle
@@ -456,7 +492,10 @@ def build_hook(
         kwargs = {} if info_of is None else {"info_of": info_of}
         installation.steering = attach_steering(scheduler, manager, installation, settings, policy, **kwargs)
     if scheduler is not None:
-        _wrap_step(scheduler, installation)
+        if hasattr(scheduler, "current_step"):
+            recorder.stepper = scheduler
+        else:
+            log.warning("kvfabric: this vLLM's scheduler has no current_step; events carry step 0")
         scheduler._kvfabric = installation
     manager._kvfabric = installation
     log.info(

@@ -36,6 +36,9 @@ BYTES_PER_EVENT = 48
 :data:`MIN_RING_BYTES`); a step's records take ~25 bytes per block operation, so the default (1M events, 48 MB)
 holds minutes of a busy engine's records while the collector is away."""
 MIN_RING_BYTES = 1 << 10
+MARSHAL_VERSION = 2
+"""marshal format 2 keeps no table of repeated objects: a third faster to write than the default (4) for records,
+whose objects (block ids, hashes) rarely repeat within a hand-over, at a few percent more bytes."""
 
 
 class Outlet:
@@ -247,7 +250,7 @@ class RingOutlet(Outlet):
                 return
             if self.unreported:
                 records.insert(0, (R.LOST, time.time_ns(), self.unreported))
-            if self.ring.write(marshal.dumps(records)):
+            if self.ring.write(marshal.dumps(records, MARSHAL_VERSION)):
                 self.unreported = 0
             else:
                 if self.unreported:
@@ -272,7 +275,7 @@ class RingOutlet(Outlet):
             if self.unreported:
                 # The last count of loss must reach the collector too: wait (bounded) for the forwarder to make
                 # room in a full ring.
-                report = marshal.dumps([(R.LOST, time.time_ns(), self.unreported)])
+                report = marshal.dumps([(R.LOST, time.time_ns(), self.unreported)], MARSHAL_VERSION)
                 while not self.ring.write(report):
                     if time.monotonic() > deadline or self.proc is None or self.proc.poll() is not None:
                         break

@@ -4,10 +4,11 @@
 admission gate, or cache-aware scheduling. Plain ``lru`` never reaches this module, so vLLM's own order is
 untouched in that mode (docs/design.md §3).
 
-Eviction order: the class of the pool's ``free_block_queue`` *instance* is swapped for a subclass of vLLM's
-``FreeKVCacheBlockQueue`` (:func:`policy_queue_class`). The doubly linked list stays the single truth about which
-blocks are free, in vLLM's order; the policy's :class:`~kvfabric.policies.index.VictimIndex` holds the cached
-free blocks in eviction order beside it. ``popleft_n`` (the only call ``get_new_blocks`` makes) hands out:
+Eviction order: the methods of a subclass of vLLM's ``FreeKVCacheBlockQueue`` (:func:`policy_queue_class`) are
+bound onto the pool's ``free_block_queue`` *instance* (:func:`hook_queue`). The doubly linked list stays the single
+truth about which blocks are free, in vLLM's order; the policy's :class:`~kvfabric.policies.index.VictimIndex`
+holds the cached free blocks in eviction order beside it. ``popleft_n`` (the only call ``get_new_blocks`` makes)
+hands out:
 
 1. uncached free blocks from the head of the list (vLLM prepends them there), then
 2. the policy's victims, each unlinked in O(1) through the list's own ``remove``, then
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -96,8 +98,26 @@ class Steering:
             log.exception("kvfabric: steering %s failed; eviction falls back to vLLM's order where needed", where)
 
 
+QUEUE_HOOKS = ("_kv_add_all", "append", "append_n", "prepend_n", "remove", "popleft", "popleft_n")
+"""The methods :func:`hook_queue` binds onto the queue instance."""
+
+
+def hook_queue(queue: Any, steering: Steering, blocks: list[Any]) -> None:
+    """Make ``queue`` (vLLM's free list) hand out the policy's victims: :func:`policy_queue_class`'s methods are
+    bound onto this one instance as attributes. Not by assigning ``__class__``: on CPython 3.11 that turns the
+    object's attributes into a plain dict, and vLLM's own list operations (``self.num_free_blocks`` ...) then run
+    slower on every free, touch and allocation."""
+    cls = policy_queue_class(type(queue))
+    queue._kv_steering = steering
+    queue._kv_blocks = blocks
+    for name in QUEUE_HOOKS:
+        setattr(queue, name, types.MethodType(cls.__dict__[name], queue))
+
+
 def policy_queue_class(base: type) -> type:
-    """A subclass of ``base`` (vLLM's ``FreeKVCacheBlockQueue``) whose victims come from a policy's index."""
+    """A subclass of ``base`` (vLLM's ``FreeKVCacheBlockQueue``) whose victims come from a policy's index. Its
+    methods call ``base``'s explicitly (no ``super()``), so :func:`hook_queue` can bind them onto an instance of
+    ``base`` itself."""
     cls = _QUEUE_CLASSES.get(base)
     if cls is not None:
         return cls
@@ -151,22 +171,22 @@ def policy_queue_class(base: type) -> type:
                 st.failed("add")
 
         def append(self, block: Any) -> None:
-            super().append(block)
+            base.append(self, block)
             self._kv_add_all([block])
 
         def append_n(self, blocks: list[Any]) -> None:
-            super().append_n(blocks)
+            base.append_n(self, blocks)
             self._kv_add_all(blocks)
 
         def prepend_n(self, blocks: list[Any]) -> None:
             # vLLM prepends only uncached blocks; a cached one (not a vLLM path today) still becomes a candidate.
-            super().prepend_n(blocks)
+            base.prepend_n(self, blocks)
             self._kv_add_all(blocks)
 
         # -- removals ---------------------------------------------------------------------------------------
 
         def remove(self, block: Any) -> None:
-            super().remove(block)
+            base.remove(self, block)
             index = self._kv_steering.index
             if index is not None:
                 try:
@@ -176,7 +196,7 @@ def policy_queue_class(base: type) -> type:
 
         def popleft(self) -> Any:
             if self.num_free_blocks <= 0:
-                return super().popleft()  # raises vLLM's own error
+                return base.popleft(self)  # raises vLLM's own error
             return self.popleft_n(1)[0]
 
         def popleft_n(self, n: int) -> list[Any]:
@@ -288,23 +308,19 @@ def _ending_info(request: Any, info_of: Callable[[Any], RequestInfo]) -> Request
 
 def _wrap_manager_for_policy(manager: Any, steering: Steering, block_size: int,
                              info_of: Callable[[Any], RequestInfo]) -> None:
-    """Per-request policy observers: admission (ghost judgement) and the context of a free."""
-    allocate_slots = manager.allocate_slots
+    """Per-request policy observers: admission (ghost judgement, on the recorder's admission path, which
+    ``allocate_slots`` takes only for requests with nothing computed) and the context of a free."""
     free = manager.free
     policy = steering.policy
     assert policy is not None
 
-    @functools.wraps(allocate_slots)
-    def kvfabric_policy_allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        if request.num_computed_tokens == 0:
-            try:
-                hit_tokens = kwargs.get("num_new_computed_tokens", args[0] if args else 0) or 0
-                hit = hit_tokens // block_size
-                hashes = request.block_hashes
-                policy.on_request_started(info_of(request), hit, len(hashes), _iter_digests(hashes, hit))
-            except Exception:
-                steering.failed("admission observer")
-        return allocate_slots(request, num_new_tokens, *args, **kwargs)
+    def observe_admission(request: Any, hit_tokens: int) -> None:
+        try:
+            hit = hit_tokens // block_size
+            hashes = request.block_hashes
+            policy.on_request_started(info_of(request), hit, len(hashes), _iter_digests(hashes, hit))
+        except Exception:
+            steering.failed("admission observer")
 
     @functools.wraps(free)
     def kvfabric_policy_free(request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -319,7 +335,7 @@ def _wrap_manager_for_policy(manager: Any, steering: Steering, block_size: int,
         finally:
             steering.ctx = prev
 
-    manager.allocate_slots = kvfabric_policy_allocate_slots
+    steering.recorder.fresh_observers.append(observe_admission)
     manager.free = kvfabric_policy_free
 
 
@@ -431,10 +447,8 @@ def attach_steering(
     steering = Steering(recorder, policy, index, keeper)
     if policy is not None and index is not None:
         queue = pool.free_block_queue
+        hook_queue(queue, steering, pool.blocks)
         # Candidates already in the queue (a hook installed on a warm pool) become known to the index.
-        queue.__class__ = policy_queue_class(type(queue))
-        queue._kv_steering = steering
-        queue._kv_blocks = pool.blocks
         queue._kv_add_all(queue.get_all_free_blocks())
         _wrap_manager_for_policy(manager, steering, block_size, info_of)
     if settings.admission_gate_on:
