@@ -1,7 +1,7 @@
 """Hook overhead on vLLM's real scheduler: time of schedule() + update_from_output(), side by side.
 
-Modes, interleaved round by round in one process so machine noise hits them alike (a round runs every mode once,
-in an order that alternates between rounds):
+Modes, run side by side in one process so machine noise hits them alike: a round builds one engine per mode and
+steps them in lockstep (turns of 50 steps each, in an order that alternates between rounds) until all are done:
 
   plain           vLLM with nothing of KVFabric wrapped in (Scheduler.__init__ unwrapped)
   off             the plugin loaded through vLLM's entry point, no KVFABRIC_* set (it installs nothing)
@@ -51,9 +51,12 @@ def _process_cpu_s(pid: int) -> float:
     return float(stats["cpu_s"]) if stats is not None else 0.0
 
 
-def run_mode(mode: str, sock: str, workload: list) -> tuple[float, float, int, float]:
-    """One run of ``workload`` in ``mode``: (scheduler wall seconds, scheduler-thread CPU seconds, events expanded,
-    CPU seconds the forwarder process spent during the run)."""
+CHUNK_STEPS = 50
+"""Steps one engine takes before the next engine's turn in a round (see :func:`run_round`)."""
+
+
+def build_engine(mode: str, sock: str, workload: list) -> tuple[Any, Any]:
+    """A simulated engine in ``mode`` with ``workload`` added: (engine, KVFabric installation or None)."""
     import vllm.plugins
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -61,7 +64,7 @@ def run_mode(mode: str, sock: str, workload: list) -> tuple[float, float, int, f
     from kvfabric.sim.harness import SimulatedEngine
 
     unwrap_scheduler_class(Scheduler)  # every mode starts from vLLM's own class; the plugin wraps it if asked
-    vllm.plugins.plugins_loaded = False  # vLLM loads plugins once per process; each run here is a fresh "process"
+    vllm.plugins.plugins_loaded = False  # vLLM loads plugins once per process; each engine here is a fresh "process"
     for var in _ENV:
         os.environ.pop(var, None)
     if mode in ("recording", "streaming", "adaptive_aging"):
@@ -70,38 +73,72 @@ def run_mode(mode: str, sock: str, workload: list) -> tuple[float, float, int, f
         os.environ["KVFABRIC_RUN_ID"] = f"bench-{mode}"
     if mode == "adaptive_aging":
         os.environ["KVFABRIC_EVICTION_POLICY"] = "adaptive_aging"
-    # "plain" builds the scheduler without loading plugins at all; every other mode loads them as vLLM does.
-    engine = SimulatedEngine.create(640, "zero", track_evictions=False, load_plugins=mode != "plain")
+    try:
+        # "plain" builds the scheduler without loading plugins at all; every other mode loads them as vLLM does.
+        engine = SimulatedEngine.create(640, "zero", track_evictions=False, load_plugins=mode != "plain")
+    finally:
+        for var in _ENV:
+            os.environ.pop(var, None)
+        unwrap_scheduler_class(Scheduler)
     engine.add_workload(workload)
-    inst = getattr(engine.scheduler, "_kvfabric", None)
-    wait_ready = getattr(getattr(inst, "outlet", None), "wait_ready", None)
-    if wait_ready is not None:
-        # Steady state: the forwarder's one-time start (a Python process importing pyarrow, ~1 CPU s) overlaps
-        # vLLM's own start-up in a real engine, not its serving; on 2 cores it would dominate a 4 s run.
-        wait_ready()
-    proc = getattr(getattr(inst, "outlet", None), "proc", None)
-    fwd0 = _process_cpu_s(proc.pid) if proc is not None else 0.0
-    gc.collect()
-    engine.run_until_done()
-    events = 0
-    fwd = 0.0
-    if inst is not None:
-        if proc is not None:
-            # The forwarder's CPU for this run: once it has read everything handed to it (expanded, batched).
-            from kvfabric.hook.ring import W_READ, W_WRITE
+    return engine, getattr(engine.scheduler, "_kvfabric", None)
 
-            inst.flush()
-            ring = inst.outlet.ring
-            deadline = time.monotonic() + 60
-            while ring.word(W_READ) != ring.word(W_WRITE) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            time.sleep(0.05)
-            fwd = _process_cpu_s(proc.pid) - fwd0
-        inst.close()
-        events = int(getattr(inst.outlet, "expanded_events", 0) or inst.outlet.records)
-    for var in _ENV:
-        os.environ.pop(var, None)
-    return engine.stats.wall_s, engine.stats.cpu_s, events, fwd
+
+def run_round(modes: tuple[str, ...], sock: str, workload: list) -> dict[str, tuple[float, float, int, float]]:
+    """One round: an engine per mode, all run to the end in lockstep. Per mode: (scheduler wall seconds,
+    scheduler-thread CPU seconds, events expanded, CPU seconds the forwarder process spent during the run).
+
+    Lockstep: the engines take turns of :data:`CHUNK_STEPS` steps each, so a slow patch of this shared machine (a
+    neighbour's burst, a frequency change) lands on every mode alike instead of on whichever ran at that minute
+    (run one after another, plain's own runs differed by half on a 2-vCPU VM). A turn is long enough (~5 ms) for
+    each engine to run on warm caches. As in vLLM's EngineCore (``freeze_gc_heap`` after start-up), the heap built
+    so far is frozen before the engines run, so collections skip it. The engines share one interpreter, so vLLM's
+    call sites see hooked and plain objects in turn; CPython re-specialises them at each turn (a cost plain shares).
+    """
+    engines = {m: build_engine(m, sock, workload) for m in modes}
+    forwarders: dict[str, Any] = {}
+    for m, (_, inst) in engines.items():
+        outlet = getattr(inst, "outlet", None)
+        if getattr(outlet, "wait_ready", None) is not None:
+            # Steady state: the forwarder's one-time start (a Python process importing pyarrow, ~1 CPU s) overlaps
+            # vLLM's own start-up in a real engine, not its serving; on 2 cores it would dominate a 4 s run.
+            outlet.wait_ready()
+            forwarders[m] = outlet.proc
+    fwd0 = {m: _process_cpu_s(proc.pid) for m, proc in forwarders.items()}
+    gc.collect()
+    gc.freeze()
+    try:
+        live = [(m, engine) for m, (engine, _) in engines.items()]
+        while live:
+            for _, engine in live:
+                for _ in range(CHUNK_STEPS):
+                    if not engine.has_unfinished():
+                        break
+                    engine.step()
+            live = [(m, engine) for m, engine in live if engine.has_unfinished()]
+    finally:
+        gc.unfreeze()
+    out: dict[str, tuple[float, float, int, float]] = {}
+    for m, (engine, inst) in engines.items():
+        events = 0
+        fwd = 0.0
+        if inst is not None:
+            proc = forwarders.get(m)
+            if proc is not None:
+                # The forwarder's CPU for this run: once it has read everything handed to it (expanded, batched).
+                from kvfabric.hook.ring import W_READ, W_WRITE
+
+                inst.flush()
+                ring = inst.outlet.ring
+                deadline = time.monotonic() + 60
+                while ring.word(W_READ) != ring.word(W_WRITE) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                time.sleep(0.05)
+                fwd = _process_cpu_s(proc.pid) - fwd0[m]
+            inst.close()
+            events = int(getattr(inst.outlet, "expanded_events", 0) or inst.outlet.records)
+        out[m] = (engine.stats.wall_s, engine.stats.cpu_s, events, fwd)
+    return out
 
 
 def per_op_cost(num_blocks: int, hooked: bool, cycles: int = 2000) -> float:
@@ -162,11 +199,10 @@ def main() -> int:
     forwarder_cpu: dict[str, list[float]] = {m: [] for m in MODES}
     events: dict[str, int] = {}
     try:
-        run_mode("plain", sock, workload)  # warm-up: imports, first-run effects
+        run_round(("plain",), sock, workload[:40])  # warm-up: imports, first-run effects
         for r in range(args.rounds):
             order = MODES if r % 2 == 0 else MODES[::-1]
-            for m in order:
-                wall, cpu, ev, fwd = run_mode(m, sock, workload)
+            for m, (wall, cpu, ev, fwd) in run_round(order, sock, workload).items():
                 times[m].append(cpu)
                 walls[m].append(wall)
                 forwarder_cpu[m].append(fwd)
@@ -186,6 +222,10 @@ def main() -> int:
     result |= {f"{m}_forwarder_cpu_s": round(statistics.median(forwarder_cpu[m]), 3)
                for m in ("streaming", "adaptive_aging")}
     result["rounds"] = args.rounds
+    # In lockstep the rounds' ratios are the noise that matters (a slow round slows every mode alike).
+    round_ratios = {m: [t / p for t, p in zip(times[m], times["plain"], strict=True)] for m in MODES}
+    result |= {f"{m}_round_ratio_range": [round(min(v), 4), round(max(v), 4)]
+               for m, v in round_ratios.items() if m != "plain"}
 
     lines = [
         "# Hook overhead on vLLM's real scheduler (CPU)",
@@ -197,21 +237,26 @@ def main() -> int:
         f"{events.get('streaming', 0):,} events per streaming run.",
         "",
         "Scheduler time: the CPU time of the scheduler thread inside `schedule()` + `update_from_output()` (what "
-        "vLLM's engine loop itself pays), modes interleaved round by round; ratios are medians over plain's median. "
+        "vLLM's engine loop itself pays). Each round runs one engine per mode in lockstep (turns of "
+        f"{CHUNK_STEPS} steps), the heap frozen as vLLM's EngineCore freezes it; ratios are medians over plain's "
+        "median. "
         "The wall clock of the same calls is beside it: on this 2-core machine it also counts the time the scheduler "
         "waited for a core held by the forwarder or the collector (which a server's other cores absorb); the "
         "forwarder's own CPU seconds per run are in the last column.",
         "",
-        "| mode | CPU median s | vs plain | all rounds (CPU s) | wall median s | wall vs plain | forwarder CPU s |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | CPU median s | vs plain | each round vs plain | all rounds (CPU s) | wall median s | wall vs plain "
+        "| forwarder CPU s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m in MODES:
         fwd = statistics.median(forwarder_cpu[m])
         lines.append(f"| {m} | {med[m]:.3f} | {med[m] / med['plain']:.3f}x | "
+                     f"{', '.join(f'{x:.3f}' for x in round_ratios[m])} | "
                      f"{', '.join(f'{x:.3f}' for x in times[m])} | {wmed[m]:.3f} | "
                      f"{wmed[m] / wmed['plain']:.3f}x | {fwd:.2f} |")
-    lines += ["", f"Run-to-run spread of plain: {100 * spread:.1f}% CPU, "
-              f"{100 * result['plain_wall_spread']:.1f}% wall (differences below it are noise).", ""]
+    lines += ["", f"Round-to-round spread of plain: {100 * spread:.1f}% CPU, {100 * result['plain_wall_spread']:.1f}% "
+              "wall: the machine's speed from one round to the next, which lockstep cancels out of each round's "
+              "ratios (their range per mode is the column 'each round vs plain').", ""]
     if not args.no_per_op:
         sizes = [10_000, 100_000, 1_000_000]
         costs = {n: (per_op_cost(n, False), per_op_cost(n, True)) for n in sizes}
