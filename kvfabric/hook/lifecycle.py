@@ -51,6 +51,9 @@ class Lifecycle:
         self.run_id = run_id
         self.policy = policy
         self.emit = emit
+        #: Whether rows are emitted: the keeper sets False, and the handlers then skip building them (the keeper
+        #: runs on vLLM's scheduler thread, where a call per block that does nothing is still paid).
+        self.rows = True
         self.null_block = null_block
         self.evicted_memory = evicted_memory
         self.regret_window_ns = int(regret_window_s * 1e9)
@@ -168,8 +171,9 @@ class Lifecycle:
     def _evict(self, b: int, ts: int, step: int, rid: str | None, reason: str, ref: int = 0) -> None:
         """Block ``b`` lost its cached content: ``block_evicted``, the digest remembered, the entry reset."""
         t = self.table
-        self._block_row(ts, step, S.BLOCK_EVICTED, b, ref, rid, ts - t.last_use[b], reason)
-        self._forget(b, ts)
+        if self.rows:
+            self._block_row(ts, step, S.BLOCK_EVICTED, b, ref, rid, ts - t.last_use[b], reason)
+            self._forget(b, ts)
         t.reset(b)
 
     def _allocated(self, rec: tuple) -> None:
@@ -179,12 +183,14 @@ class Lifecycle:
         hashes = t.hash
         last_use = t.last_use
         refs = self.refs
+        rows = self.rows
         for b in ids:
             if hashes[b] is not None:
                 self._evict(b, ts, step, rid, S.EVICT_PRESSURE)
             last_use[b] = now
             refs[b] = 1
-            self._allocated_row(ts, step, b, rid)
+            if rows:
+                self._allocated_row(ts, step, b, rid)
 
     def _touched(self, rec: tuple) -> None:
         _, ts, step, rid, ids, refs = rec
@@ -192,12 +198,14 @@ class Lifecycle:
         t = self.table
         null = self.null_block
         own = self.refs
+        rows = self.rows
         for b, ref in zip(ids, refs, strict=True):
             if b == null:
                 continue
             t.touch(b, rid, now)
             own[b] = ref
-            self._block_row(ts, step, S.BLOCK_TOUCHED, b, ref, rid)
+            if rows:
+                self._block_row(ts, step, S.BLOCK_TOUCHED, b, ref, rid)
 
     def _freed(self, rec: tuple) -> None:
         _, ts, step, rid, ids, refs = rec
@@ -205,12 +213,14 @@ class Lifecycle:
         t = self.table
         null = self.null_block
         own = self.refs
+        rows = self.rows
         for b, ref in zip(ids, refs, strict=True):
             if b == null:
                 continue
             t.release(b, now)
             own[b] = ref
-            self._block_row(ts, step, S.BLOCK_FREED if ref == 0 else S.REF_COUNT_CHANGED, b, ref, rid)
+            if rows:
+                self._block_row(ts, step, S.BLOCK_FREED if ref == 0 else S.REF_COUNT_CHANGED, b, ref, rid)
 
     def _sealed(self, rec: tuple) -> None:
         _, ts, step, rid, family, start, prev, ids, raws, parent_raw = rec
@@ -219,6 +229,7 @@ class Lifecycle:
         evicted = self.evicted
         null = self.null_block
         refs = self.refs
+        rows = self.rows
         prev_id = -1 if prev is None or prev == null else prev
         for j, b in enumerate(ids):
             raw = raws[j]
@@ -230,12 +241,14 @@ class Lifecycle:
             if parent is None and j == 0 and parent_raw is not None:
                 parent = hash64(parent_raw)
             t.seal(b, h, parent, prev_id, start + j, family, rid, now)  # type: ignore[arg-type]
+            prev_id = b
+            if not rows:
+                continue
             ref = refs[b]
             self._block_row(ts, step, S.BLOCK_SEALED, b, ref, rid)
             entry = evicted.pop(h, None) if evicted else None  # type: ignore[arg-type]
             if entry is not None:
                 self._block_row(ts, step, S.BLOCK_REBUILT, b, ref, rid, ts - entry[0])
-            prev_id = b
 
     def _evicting(self, rec: tuple) -> None:
         _, ts, step, rid, ids, raws = rec
@@ -306,6 +319,7 @@ class StatisticsKeeper(Lifecycle):
 
     def __init__(self, num_blocks: int, clock: Callable[[], int], null_block: int = 0) -> None:
         super().__init__(num_blocks=num_blocks, emit=_nothing, null_block=null_block)
+        self.rows = False
         self.clock = clock
         for op in (R.LOOKUP, R.ADMITTED, R.CANCELLED, R.DONE, R.LIMITED, R.RANKED, R.SCORED, R.LOST):
             self._handlers[op] = _nothing
@@ -313,7 +327,4 @@ class StatisticsKeeper(Lifecycle):
     def _stamp(self, ts: int) -> int:
         return self.clock()
 
-    _row = _nothing  # type: ignore[assignment]
-    _block_row = _nothing  # type: ignore[assignment]
-    _allocated_row = _nothing  # type: ignore[assignment]
-    _forget = _nothing  # type: ignore[assignment]
+    _row = _nothing  # type: ignore[assignment]  # (handlers without a per-block loop still call it)
