@@ -164,3 +164,25 @@ def test_a_request_end_hands_its_records_over_on_vllms_manager(monkeypatch: pyte
     assert [rec[0] for rec in inst.recorder.log or []] == [R.ALLOCATED, R.SEALED, R.ADMITTED]
     manager.free(req)
     assert outlet.puts == [1, 5] and not inst.recorder.log  # ... + FREED, DONE: everything went
+
+
+@pytest.mark.vllm
+def test_on_vllms_scheduler_only_the_last_request_end_forces_a_hand_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Time frozen, four requests of different lengths at once on vLLM's real Scheduler: the first record goes at
+    once, the three requests that end while others run hold nothing up, and the last one's end hands everything
+    over (an engine about to idle keeps nothing back)."""
+    from kvfabric.config import load_hook_settings
+    from kvfabric.sim.harness import SimulatedEngine
+
+    monkeypatch.setattr(I.time, "monotonic", lambda: 100.0)
+    engine = SimulatedEngine.create(64, "zero", track_evictions=False, load_plugins=False)
+    outlet = _Counting()
+    inst = I.build_hook(engine.scheduler.kv_cache_manager,
+                        load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"}),
+                        scheduler=engine.scheduler, outlet=outlet)
+    assert inst is not None
+    engine.add_workload([(0.0, f"r{i}", [i + 1] * (40 + 16 * i), 4 + 3 * i, None) for i in range(4)])
+    engine.run_until_done()
+    assert engine.stats.requests_finished == 4
+    assert len(outlet.puts) == 2 and outlet.puts[0] == 1  # the first record, then everything at the last end
+    assert not inst.recorder.log and outlet.records > 20

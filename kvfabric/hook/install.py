@@ -8,10 +8,10 @@ are untouched, and vLLM's own method bodies run unchanged. The KVCacheManager ge
 The Scheduler's own methods are not wrapped: a record's step is vLLM's ``scheduler.current_step``.
 
 What runs on vLLM's scheduler thread is a :class:`Recorder`: one compact record per vLLM call
-(:mod:`kvfabric.hook.records`), appended to a list, handed to an outlet every 20 ms, every 4096 records and when a
-request ends (:meth:`Recorder.add`; the outlet is a shared-memory ring read by the forwarder process, which expands
-records into events off vLLM's GIL). When a policy needs block statistics in-process, the steering keeper applies
-the same records to its side table at once.
+(:mod:`kvfabric.hook.records`), appended to a list, handed to an outlet every 100 ms, every 4096 records and when
+the last request ends (:meth:`Recorder.add`; the outlet is a shared-memory ring read by the forwarder process,
+which expands records into events off vLLM's GIL). When a policy needs block statistics in-process, the steering
+keeper applies the same records to its side table at once.
 
 Invariants:
   * vLLM's original method always runs, with the same arguments, and its result or exception is returned or
@@ -42,14 +42,22 @@ from kvfabric.hook.outlets import Outlet, make_outlet
 
 log = logging.getLogger("kvfabric.hook")
 
-HANDOVER_S = 0.02
-"""Records are handed over by the first record made this long after the last hand-over (see :meth:`Recorder.add`)."""
+HANDOVER_S = 0.1
+"""Records are handed over by the first record made this long after the last hand-over (see :meth:`Recorder.add`);
+the forwarder's own batches wait as long (``KVFABRIC_FLUSH_MS``, 100 by default)."""
 HANDOVER_RECORDS = 4096
 """... or when this many wait."""
 
 
 def _nothing() -> None:
     pass
+
+
+def _last_request(scheduler: Any) -> bool:
+    """Whether the request being freed is the scheduler's last one (vLLM deletes a finished request from
+    ``scheduler.requests`` right after freeing it; a preempted one stays). True without a scheduler."""
+    requests = getattr(scheduler, "requests", None)
+    return requests is None or len(requests) <= 1
 
 
 def _flatten_blocks(blocks: Any) -> Sequence[Any]:
@@ -117,9 +125,9 @@ class Recorder:
 
         Hand-over happens here, from the recording call itself, not from a wrapper on a per-step scheduler method:
         on this path every extra Python frame per step shows in the scheduler's time, and a hand-over has a fixed
-        cost (~10 µs in the scheduler's cold caches) that short steps would pay thousands of times a second. So the
-        records go once HANDOVER_S has passed since the last hand-over, HANDOVER_RECORDS wait, or a request ended
-        (its end is recorded with ``handover_at`` = 0, so the last records before an engine idles go out at once).
+        cost (tens of µs in the scheduler's cold caches) that short steps would pay thousands of times a second. So
+        the records go once HANDOVER_S has passed since the last hand-over, HANDOVER_RECORDS wait, or the engine's
+        last request ended (``handover_at`` = 0 then, so the records before an engine idles go out at once).
         """
         keeper = self.keeper
         if keeper is not None:
@@ -356,7 +364,8 @@ def _wrap_manager(manager: Any, r: Recorder) -> None:
             r.rid = None
             if r.on:
                 try:
-                    r.handover_at = 0.0  # a request ended: hand its records over now
+                    if _last_request(r.stepper):
+                        r.handover_at = 0.0  # the engine may idle now: nothing is held back
                     r.add((R.DONE, request.request_id))
                     r.families.pop(request.request_id, None)
                 except Exception:
