@@ -64,14 +64,7 @@ def forwarding_costs() -> dict[str, float]:
     ctx = Context()
     exact = forwarding.request_context_wrapper(original, ctx, original, "exact")
 
-    def star(request: Any, *args: Any, **kwargs: Any) -> Any:
-        if request.num_computed_tokens == 0:
-            return original(request, *args, **kwargs)
-        ctx.rid = request.request_id
-        try:
-            return original(request, *args, **kwargs)
-        finally:
-            ctx.rid = None
+    star = forwarding.generic_wrapper(original, ctx, original)
 
     req = Request()
     return {

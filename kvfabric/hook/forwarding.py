@@ -95,7 +95,7 @@ def request_context_wrapper(
     """
     parts = _parameters_and_call(original)
     if parts is None:
-        return _generic_wrapper(original, context, slow)
+        return generic_wrapper(original, context, slow)
     first, params, call, defaults = parts
     namespace: dict[str, Any] = {"_kvf_original": original, "_kvf_ctx": context, "_kvf_slow": slow, **defaults}
     exec(_FAST_PATH.format(name=name, params=params, first=first, call=call), namespace)
@@ -106,7 +106,8 @@ def request_context_wrapper(
     return fn
 
 
-def _generic_wrapper(original: Callable[..., Any], context: Any, slow: Callable[..., Any]) -> Callable[..., Any]:
+def generic_wrapper(original: Callable[..., Any], context: Any, slow: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`request_context_wrapper`'s behaviour with a ``*args, **kwargs`` signature (its fallback)."""
     def wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
         if request.num_computed_tokens == 0:
             return slow(request, *args, **kwargs)

@@ -211,34 +211,35 @@ def hook_pool(pool: Any, r: Recorder) -> None:
                 r.failed("recording an eviction")
         evict_blocks(block_ids, *args, **kwargs)
 
+    def record_refs(op: int, rid: str | None, blocks: Any, where: str, *, flatten: bool = False,
+                    own: bool = False) -> None:
+        """One record of the blocks whose ref counts a call moved: their ids and ref counts after it."""
+        try:
+            if flatten:
+                blocks = _flatten_blocks(blocks)
+            if own and own_blocks:
+                # Blocks of another pool were handed over to it: that pool's hook records them.
+                blocks = [b for b in blocks if b.pool is pool]
+            r.add((op, r.clock(), r.step, rid, [b.block_id for b in blocks], [b.ref_cnt for b in blocks]))
+        except Exception:
+            r.failed(where)
+
     def kvfabric_touch(blocks: Any, *args: Any, **kwargs: Any) -> None:
         touch(blocks, *args, **kwargs)
         if r.on:
-            try:
-                flat = _flatten_blocks(blocks)
-                r.add((R.TOUCHED, r.clock(), r.step, r.rid, [b.block_id for b in flat], [b.ref_cnt for b in flat]))
-            except Exception:
-                r.failed("recording a touch")
+            record_refs(R.TOUCHED, r.rid, blocks, "recording a touch", flatten=True)
 
     def kvfabric_free_blocks(ordered_blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
         blocks = list(ordered_blocks)
         free_blocks(blocks, *args, **kwargs)
         if r.on:
-            try:
-                if own_blocks:
-                    blocks = [b for b in blocks if b.pool is pool]
-                r.add((R.FREED, r.clock(), r.step, r.rid, [b.block_id for b in blocks], [b.ref_cnt for b in blocks]))
-            except Exception:
-                r.failed("recording a free")
+            record_refs(R.FREED, r.rid, blocks, "recording a free", own=True)
 
     def kvfabric_unpin_blocks(blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
         blocks = list(blocks)
         unpin_blocks(blocks, *args, **kwargs)
         if r.on:
-            try:
-                r.add((R.FREED, r.clock(), r.step, None, [b.block_id for b in blocks], [b.ref_cnt for b in blocks]))
-            except Exception:
-                r.failed("recording an unpin")
+            record_refs(R.FREED, None, blocks, "recording an unpin")
 
     def kvfabric_cache_full_blocks(
         request: Any,
