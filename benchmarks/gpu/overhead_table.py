@@ -29,6 +29,17 @@ RUNS: dict[str, tuple[str, str]] = {
     "q05b": ("Qwen2-0.5B shape, 5 rounds",
              "python3 benchmarks/gpu/h200_overhead.py --out /tmp/q5 --shape qwen2-0.5b --rounds 5 --scale 3 "
              "--arms plain,kv_events,lru,lru_nosink"),
+    "8b-r3": ("Llama-3-8B shape, 5 rounds, after the hook rewrite of this session: no scheduler wrappers, no "
+              "__class__ swaps. NOT A MEASUREMENT OF THE HOOK: it did not install on vLLM 0.26 (hook_pool reads "
+              "pool.unpin_blocks, which 0.26's BlockPool lacks: AttributeError at install), so the lru arms ran "
+              "without KVFabric and the collector stored no events",
+              "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o8 --shape llama-3-8b --rounds 5 --scale 1.5 "
+              "--arms plain,kv_events,lru,lru_nosink"),
+    "q05b-r2": ("Qwen2-0.5B shape, 5 rounds, after the hook rewrite of this session: no scheduler wrappers, no "
+                "__class__ swaps. NOT A MEASUREMENT OF THE HOOK, as 8b-r3: it did not install, the lru arms ran "
+                "without KVFabric",
+                "python3 benchmarks/gpu/h200_overhead.py --out /tmp/q5 --shape qwen2-0.5b --rounds 5 --scale 3 "
+                "--arms plain,kv_events,lru,lru_nosink"),
 }
 
 ARM_TEXT = {
