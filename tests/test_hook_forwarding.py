@@ -186,3 +186,37 @@ def test_on_vllms_scheduler_only_the_last_request_end_forces_a_hand_over(monkeyp
     assert engine.stats.requests_finished == 4
     assert len(outlet.puts) == 2 and outlet.puts[0] == 1  # the first record, then everything at the last end
     assert not inst.recorder.log and outlet.records > 20
+
+
+@pytest.mark.vllm
+def test_a_pool_without_unpin_blocks_is_hooked_as_on_vllm_0_26() -> None:
+    """vLLM 0.26's BlockPool has no ``unpin_blocks`` (0.33's has): the hook installs without wrapping it and still
+    records, instead of failing to install (an H200 run on 0.26 once went unhooked for this reason)."""
+    import torch
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvfabric.config import load_hook_settings
+    from kvfabric.sim.harness import make_request
+
+    class PoolOf026(BlockPool):
+        @property
+        def unpin_blocks(self) -> Any:
+            raise AttributeError("unpin_blocks")
+
+    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    manager = KVCacheManager(cfg, max_model_len=8192, scheduler_block_size=16, enable_caching=True,
+                             hash_block_size=16)
+    manager.block_pool.__class__ = PoolOf026
+    assert not hasattr(manager.block_pool, "unpin_blocks")
+    outlet = _Counting()
+    inst = I.build_hook(manager, load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"}),
+                        block_size=16, outlet=outlet)
+    assert inst is not None and manager.block_pool.get_new_blocks.__name__ == "kvfabric_get_new_blocks"
+    req = make_request("r0", list(range(40)), 1)
+    computed, hit, _ = manager.get_computed_blocks(req)
+    assert manager.allocate_slots(req, 40 - hit, hit, computed) is not None
+    manager.free(req)
+    assert outlet.records == 6 and inst.recorder.on  # LOOKUP, ALLOCATED, SEALED, ADMITTED, FREED, DONE

@@ -183,7 +183,7 @@ def hook_pool(pool: Any, r: Recorder) -> None:
     evict_blocks = pool.evict_blocks
     touch = pool.touch
     free_blocks = pool.free_blocks
-    unpin_blocks = pool.unpin_blocks
+    unpin_blocks = getattr(pool, "unpin_blocks", None)  # 0.33+; vLLM 0.26's pool has none
     cache_full_blocks = pool.cache_full_blocks
     move_block_hashes = getattr(pool, "move_block_hashes", None)
     reset_prefix_cache = pool.reset_prefix_cache
@@ -236,6 +236,7 @@ def hook_pool(pool: Any, r: Recorder) -> None:
             record_refs(R.FREED, r.rid, blocks, "recording a free", own=True)
 
     def kvfabric_unpin_blocks(blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        assert unpin_blocks is not None
         blocks = list(blocks)
         unpin_blocks(blocks, *args, **kwargs)
         if r.on:
@@ -303,7 +304,7 @@ def hook_pool(pool: Any, r: Recorder) -> None:
         "evict_blocks": kvfabric_evict_blocks,
         "touch": kvfabric_touch,
         "free_blocks": kvfabric_free_blocks,
-        "unpin_blocks": kvfabric_unpin_blocks,
+        "unpin_blocks": kvfabric_unpin_blocks if unpin_blocks is not None else None,
         "cache_full_blocks": kvfabric_cache_full_blocks,
         "move_block_hashes": kvfabric_move_block_hashes if move_block_hashes is not None else None,
         "reset_prefix_cache": kvfabric_reset_prefix_cache,
