@@ -20,33 +20,26 @@ from typing import Any
 
 #: run -> (what it is, the command on the GPU machine; PYTHONPATH=$PWD:/tmp/site, VLLM_USE_FLASHINFER_SAMPLER=0).
 RUNS: dict[str, tuple[str, str]] = {
-    "8b-r1": ("Llama-3-8B shape, 5 rounds",
+    "8b-r1": ("Llama-3-8B shape, 5 rounds, revision 537d192",
               "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o8 --shape llama-3-8b --rounds 5 --scale 1.5 "
               "--arms plain,kv_events,lru,lru_before --before .gpu/before"),
-    "8b-r2": ("Llama-3-8B shape, 4 rounds, with the recording-only arm and py-spy",
+    "8b-r2": ("Llama-3-8B shape, 4 rounds, with the recording-only arm and py-spy, revision 537d192",
               "python3 benchmarks/gpu/h200_overhead.py --out /tmp/d8 --shape llama-3-8b --rounds 4 --scale 1.5 "
               "--arms plain,lru,lru_nosink,lru_before --before .gpu/before --profile 8"),
-    "q05b": ("Qwen2-0.5B shape, 5 rounds",
+    "q05b": ("Qwen2-0.5B shape, 5 rounds, revision 537d192",
              "python3 benchmarks/gpu/h200_overhead.py --out /tmp/q5 --shape qwen2-0.5b --rounds 5 --scale 3 "
              "--arms plain,kv_events,lru,lru_nosink"),
-    "8b-r3": ("Llama-3-8B shape, 5 rounds, after the hook rewrite of this session: no scheduler wrappers, no "
-              "__class__ swaps. NOT A MEASUREMENT OF THE HOOK: it did not install on vLLM 0.26 (hook_pool reads "
-              "pool.unpin_blocks, which 0.26's BlockPool lacks: AttributeError at install), so the lru arms ran "
-              "without KVFabric and the collector stored no events",
+    "8b-r4": ("Llama-3-8B shape, 5 rounds, revision f9589de (this session's hook: no scheduler wrappers, no "
+              "__class__ swaps, hand-over every 100 ms)",
               "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o8 --shape llama-3-8b --rounds 5 --scale 1.5 "
               "--arms plain,kv_events,lru,lru_nosink"),
-    "q05b-r2": ("Qwen2-0.5B shape, 5 rounds, after the hook rewrite of this session: no scheduler wrappers, no "
-                "__class__ swaps. NOT A MEASUREMENT OF THE HOOK, as 8b-r3: it did not install, the lru arms ran "
-                "without KVFabric",
-                "python3 benchmarks/gpu/h200_overhead.py --out /tmp/q5 --shape qwen2-0.5b --rounds 5 --scale 3 "
-                "--arms plain,kv_events,lru,lru_nosink"),
 }
 
 ARM_TEXT = {
     "plain": "vLLM alone (plugin installed, no `KVFABRIC_*`)",
     "kv_events": "vLLM's own KV-event publisher (ZMQ), drained",
-    "lru": "KVFabric streaming to a collector (this revision)",
-    "lru_nosink": "KVFabric recording, `KVFABRIC_SINK=none` (this revision)",
+    "lru": "KVFabric streaming to a collector (the run's revision)",
+    "lru_nosink": "KVFabric recording, `KVFABRIC_SINK=none` (the run's revision)",
     "lru_before": "KVFabric streaming, revision fab6a7f (before issue 7)",
 }
 
