@@ -173,7 +173,7 @@ def hook_pool(pool: Any, r: Recorder) -> None:
 
     Why instance attributes and not a subclass swapped into ``pool.__class__``: on CPython 3.11 assigning
     ``__class__`` turns the object's attribute storage into a plain dict, and every ``self.x`` in vLLM's own pool
-    methods then takes the slower lookup (``get_usage`` twice as slow: ``benchmarks/bench_hook_layout.py``); the
+    methods then takes the slower lookup (``get_usage`` slower: ``benchmarks/results/hook_layout.md``); the
     scheduler reads the pool many times per step. Adding attributes keeps the object's shared-key layout, so
     vLLM's code runs as fast as unhooked.
     """
