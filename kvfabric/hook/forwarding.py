@@ -2,10 +2,10 @@
 
 Why: ``KVCacheManager.allocate_slots`` is called for every running request in every scheduler step (hundreds of
 times per step on a busy GPU), and a ``def w(*args, **kwargs): return f(*args, **kwargs)`` wrapper repacks its
-arguments into a tuple and a dict on every call: several times the cost of forwarding named parameters on CPython 3.11
-(``benchmarks/bench_hook_layout.py``). So the wrapper
-is generated, as ``dataclasses`` generates ``__init__``: its parameters, defaults and kinds are the original's, and
-it forwards each parameter by position or keyword exactly as it received it.
+arguments into a tuple and a dict on every call: several times the cost of forwarding named parameters on CPython
+3.11 (``benchmarks/bench_hook_layout.py``). So the wrapper is generated, as ``dataclasses`` generates ``__init__``:
+its parameters, defaults and kinds are the original's, and it forwards each parameter by position or keyword exactly
+as it received it.
 
 Invariants:
   * the generated function calls ``original`` with the same values for every parameter (defaults are the

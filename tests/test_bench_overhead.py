@@ -1,0 +1,38 @@
+"""The overhead benchmark's lockstep runner (benchmarks/bench_hook_overhead.py) on a small slice of its workload:
+each mode gets the engine it names (KVFabric only where the mode asks for it), and every engine runs to the end."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_hook_overhead", ROOT / "benchmarks" / "bench_hook_overhead.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lockstep_round_builds_each_mode_and_runs_every_engine(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfabric.sim.workload import demo_workload
+
+    for var in ("KVFABRIC_LIFECYCLE", "KVFABRIC_SINK", "KVFABRIC_EVICTION_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    bench = _bench()
+    monkeypatch.setattr(bench, "CHUNK_STEPS", 7)  # several turns even on a short slice
+    out = bench.run_round(("plain", "off", "recording"), str(tmp_path / "unused.sock"), demo_workload(seed=0)[:24])
+    assert set(out) == {"plain", "off", "recording"}
+    (_, plain_cpu, plain_events, _), (_, off_cpu, off_events, _), (_, rec_cpu, rec_events, _) = (
+        out["plain"], out["off"], out["recording"])
+    assert plain_events == 0 and off_events == 0  # nothing of KVFabric in these engines
+    assert rec_events > 24  # the recording engine's hook made records for every request
+    assert min(plain_cpu, off_cpu, rec_cpu) > 0
