@@ -104,12 +104,15 @@ def test_kill_9_of_the_collector_mid_stream_loses_nothing() -> None:
         sink = hook_sink(files.socket_path, "run-crash", batch_events=200)
         try:
             with Producer(sink, "run-crash", rate=10_000) as producer:
+                # Connections counted before each kill: the sink may reconnect while the restarted collector is
+                # still being waited for, so the count to beat is taken before the kill, not after the restart.
+                before_kill = 0
                 for _ in range(2):
-                    wait_until(lambda c=sink.connects: sink.connects > c - (c == 0), timeout=20,
-                               what="the sink (re)connected")
+                    wait_until(lambda b=before_kill: sink.connects > b, timeout=20, what="the sink (re)connected")
                     so_far = stored(files.http_url, "run-crash")
                     wait_until(lambda b=so_far: stored(files.http_url, "run-crash") > b, what="rows committed")
                     time.sleep(1.0)
+                    before_kill = sink.connects
                     proc.kill()  # SIGKILL: no flush, no goodbye; batches in flight are in nobody's database
                     time.sleep(0.5)
                     proc = files.process().start()
