@@ -132,10 +132,10 @@ class Recorder:
         keeper = self.keeper
         if keeper is not None:
             keeper.apply_one(record)
-        log = self.log
-        if log is not None:
-            log.append(record)
-            if len(log) >= HANDOVER_RECORDS or time.monotonic() >= self.handover_at:
+        pending = self.log
+        if pending is not None:
+            pending.append(record)
+            if len(pending) >= HANDOVER_RECORDS or time.monotonic() >= self.handover_at:
                 self.handover()
 
     def family_of(self, request: Any) -> str | None:
