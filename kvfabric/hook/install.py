@@ -75,7 +75,7 @@ class Recorder:
     each record as it is made; ``log`` is None when events are not recorded (a policy alone).
     """
 
-    __slots__ = ("_step", "block_size", "clock", "errors", "families", "family_depth", "family_from_rid",
+    __slots__ = ("block_size", "clock", "errors", "families", "family_depth", "family_from_rid",
                  "fresh_observers", "gate", "handover", "handover_at", "keeper", "log", "on", "rid", "stepper")
 
     def __init__(self, settings: HookSettings, recording: bool, block_size: int,
@@ -86,9 +86,8 @@ class Recorder:
         self.log: list[tuple] | None = [] if recording else None
         self.keeper: Any = None
         self.gate: Any = None
-        self._step = 0
         #: The scheduler whose ``current_step`` (advanced by vLLM at the start of each ``schedule()``) is the records'
-        #: step; None for a bare KVCacheManager (step 0, or whatever a caller sets).
+        #: step; None for a bare KVCacheManager (step 0).
         self.stepper: Any = None
         #: Called as ``f(request, hit_tokens)`` when a request with nothing computed asks for slots (an admission
         #: attempt), before it is recorded; steering's policy observes admissions here. Each handles its own errors.
@@ -107,11 +106,7 @@ class Recorder:
     def step(self) -> int:
         """The scheduler step the current call belongs to (docs/design.md §4, column ``step``)."""
         stepper = self.stepper
-        return self._step if stepper is None else stepper.current_step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self._step = value
+        return 0 if stepper is None else stepper.current_step
 
     def failed(self, where: str) -> None:
         """KVFabric broke somewhere on vLLM's path: count, log once, stop recording; vLLM is not affected."""
@@ -161,11 +156,6 @@ class Recorder:
             return []
         self.log = []
         return out
-
-
-POOL_HOOKS = ("get_new_blocks", "evict_blocks", "touch", "free_blocks", "unpin_blocks", "cache_full_blocks",
-              "move_block_hashes", "reset_prefix_cache")
-"""The pool methods :func:`hook_pool` wraps (instance attributes named after them; vLLM's class is untouched)."""
 
 
 def hook_pool(pool: Any, r: Recorder) -> None:
@@ -304,15 +294,17 @@ def hook_pool(pool: Any, r: Recorder) -> None:
         "evict_blocks": kvfabric_evict_blocks,
         "touch": kvfabric_touch,
         "free_blocks": kvfabric_free_blocks,
-        "unpin_blocks": kvfabric_unpin_blocks if unpin_blocks is not None else None,
+        "unpin_blocks": kvfabric_unpin_blocks,
         "cache_full_blocks": kvfabric_cache_full_blocks,
-        "move_block_hashes": kvfabric_move_block_hashes if move_block_hashes is not None else None,
+        "move_block_hashes": kvfabric_move_block_hashes,
         "reset_prefix_cache": kvfabric_reset_prefix_cache,
     }
     for name, fn in hooks.items():
-        if fn is not None:
-            fn.__wrapped__ = getattr(pool, name)  # type: ignore[attr-defined]  # its own name stays (profiles)
-            setattr(pool, name, fn)
+        original = getattr(pool, name, None)
+        if original is None:  # not in this vLLM (unpin_blocks before 0.33): nothing to wrap
+            continue
+        fn.__wrapped__ = original  # type: ignore[attr-defined]  # its own name stays (profiles)
+        setattr(pool, name, fn)
     pool._kvfabric = r
 
 
