@@ -110,14 +110,14 @@ def run_round(modes: tuple[str, ...], sock: str, workload: list) -> dict[str, tu
     gc.collect()
     gc.freeze()
     try:
-        live = [(m, engine) for m, (engine, _) in engines.items()]
+        live = [engine for engine, _ in engines.values()]
         while live:
-            for _, engine in live:
+            for engine in live:
                 for _ in range(CHUNK_STEPS):
                     if not engine.has_unfinished():
                         break
                     engine.step()
-            live = [(m, engine) for m, engine in live if engine.has_unfinished()]
+            live = [engine for engine in live if engine.has_unfinished()]
     finally:
         gc.unfreeze()
     out: dict[str, tuple[float, float, int, float]] = {}
