@@ -17,12 +17,24 @@ Invariants:
     is given and never with wall time;
   * ``users`` remembers at most :data:`MAX_USERS` request ids per block; beyond that ``share`` counts changes of
     user (a bound on memory, not an approximation in practice: blocks shared by more than 8 live requests are
-    already anchors).
+    already anchors);
+  * the *lean* operations (:meth:`seal_lean`, :meth:`hit_all`, :meth:`forget_all`) keep only :data:`LEAN_COLUMNS`,
+    for a policy inside vLLM that reads nothing else (``EvictionPolicy.reads``): for every block holding content
+    (``hash`` set), those columns equal what the full operations would hold; a block without content keeps stale
+    values in them, which nothing reads (a policy keys cached blocks only, and the victim index checks ``hash``).
 """
 
 from __future__ import annotations
 
 MAX_USERS = 8
+
+ALL_COLUMNS = frozenset({"hash", "parent", "parent_block", "depth", "family", "hits", "share", "users", "branch",
+                         "children", "last_use", "protected", "score"})
+"""Every column of the side table."""
+INDEX_COLUMNS = frozenset({"hash", "parent", "parent_block"})
+"""What the victim index reads itself (the parent link of its descendants-first rule): kept for every policy."""
+LEAN_COLUMNS = INDEX_COLUMNS | {"hits", "depth"}
+"""What the lean operations keep (``protected`` and ``score`` are steering's own, written by it either way)."""
 
 
 class SideTable:
@@ -129,6 +141,30 @@ class SideTable:
         self.protected[b] = False
         self.score[b] = None
         self.parent_block[b] = -1
+
+    # ---- the lean operations (LEAN_COLUMNS only; see the module docstring) ---------------------------------------
+
+    def seal_lean(self, b: int, h: int, parent_hash: int | None, parent_block: int, depth: int) -> None:
+        """:meth:`seal`, keeping the lean columns only."""
+        self.hash[b] = h
+        self.parent[b] = parent_hash
+        self.parent_block[b] = parent_block
+        self.depth[b] = depth
+        self.hits[b] = 0
+
+    def hit_all(self, ids: list[int], null_block: int) -> None:
+        """:meth:`touch` of each of ``ids`` (the null block aside), keeping the lean columns only."""
+        hits = self.hits
+        for b in ids:
+            if b != null_block:
+                hits[b] += 1
+
+    def forget_all(self, ids: list[int]) -> None:
+        """:meth:`reset` of each of ``ids`` that holds content, keeping the lean columns only: the content is gone,
+        and the other lean columns are rewritten by the block's next :meth:`seal_lean` before anything reads them."""
+        hashes = self.hash
+        for b in ids:
+            hashes[b] = None
 
     def clear(self) -> None:
         """Every block lost its content (a prefix-cache reset)."""

@@ -27,6 +27,7 @@ from kvfabric.hook.install import Installation, build_hook
 from kvfabric.hook.steering import Steering, attach_steering
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.policies.base import EvictionPolicy
+from kvfabric.side_table import ALL_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS
 
 pytestmark = pytest.mark.vllm
 BLOCK = 16
@@ -404,21 +405,48 @@ def test_session_hints_steer_adaptive_aging() -> None:
                if b.block_hash is not None and steering.index.held[b.block_id])
 
 
-def test_one_side_table_in_process_and_in_the_expander() -> None:
-    """Steering's in-process statistics and the expander's are the same side table kept by the same code: after
-    a pressured run every field a policy can read agrees (``last_use`` aside: a different clock by design)."""
-    manager, inst, steering = make_manager(14, "adaptive_aging", anchor=0)
+LIVE_POLICIES = [p for p in POLICY_NAMES if p != "lru"]  # lru attaches nothing, so it keeps no statistics
+
+
+def pressured_run(policy: str) -> tuple[Installation, Steering]:
+    """A small pool under pressure: three families of prompts, sessions that end, hits and evictions."""
+    manager, inst, steering = make_manager(14, policy, anchor=0)
     assert steering is not None and steering.keeper is not None
     for i in range(30):
-        req = make_request(f"q{i}", [1 + i % 3] * 32 + [50 + i] * 40, {"kvfabric_family": f"f{i % 3}"})
+        extra = {"kvfabric_family": f"f{i % 3}", "kvfabric_session": f"s{i % 4}", "kvfabric_session_end": i % 5 == 4}
+        req = make_request(f"q{i}", [1 + i % 3] * 32 + [50 + i] * 40, extra)
         assert admit(manager, req) is not None
         manager.free(req)
     inst.drain()
-    mine, theirs = steering.keeper.table, inst.outlet.lifecycle.table  # type: ignore[attr-defined]
-    assert steering.victims > 0
-    for field in ("hash", "parent", "parent_block", "depth", "family", "hits", "share", "users", "branch"):
-        assert getattr(mine, field) == getattr(theirs, field), field
-    assert mine.family[1:].count(None) < len(mine.family) - 1  # families are kept in-process too
+    assert steering.victims > 0 and steering.errors == 0
+    return inst, steering
+
+
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
+def test_one_side_table_in_process_and_in_the_expander(policy: str) -> None:
+    """Steering's in-process statistics and the expander's are kept by the same side-table code: after a pressured
+    run every column the policy and the victim index read agrees on every cached block (``last_use`` aside: a
+    different clock by design). A policy reading only lean columns gets a lean keeper, which keeps no more."""
+    inst, steering = pressured_run(policy)
+    keeper = steering.keeper
+    assert keeper is not None and steering.policy is not None
+    mine, theirs = keeper.table, inst.outlet.lifecycle.table  # type: ignore[attr-defined]
+    assert mine.hash == theirs.hash
+    cached = [b for b, h in enumerate(theirs.hash) if h is not None]
+    assert len(cached) >= 10
+    reads = steering.policy.reads | INDEX_COLUMNS
+    assert keeper.lean == (reads <= LEAN_COLUMNS)
+    columns = sorted(reads & LEAN_COLUMNS) if keeper.lean else sorted(ALL_COLUMNS - {"last_use", "protected", "score"})
+    for field in columns:
+        assert [getattr(mine, field)[b] for b in cached] == [getattr(theirs, field)[b] for b in cached], field
+    if not keeper.lean:
+        assert mine.family[1:].count(None) < len(mine.family) - 1  # families are kept in-process too
+
+
+def test_the_lean_keeper_serves_the_policies_that_read_only_lean_columns() -> None:
+    """Which built-in policies get the lean keeper (a change here changes the hook's cost: hook_overhead.md)."""
+    lean = {p for p in LIVE_POLICIES if make_manager(8, p)[2].keeper.lean}  # type: ignore[union-attr]
+    assert lean == {"adaptive_aging", "learned"}
 
 
 def test_policy_statistics_without_recording_keep_family_and_last_use() -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvfabric import schema as S
 from kvfabric.hook import records as R
-from kvfabric.side_table import SideTable
+from kvfabric.side_table import ALL_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS, SideTable
 
 hash64 = S.hash64
 
@@ -54,6 +54,9 @@ class Lifecycle:
         #: Whether rows are emitted: the keeper sets False, and the handlers then skip building them (the keeper
         #: runs on vLLM's scheduler thread, where a call per block that does nothing is still paid).
         self.rows = True
+        #: Whether only the side table's lean columns are kept (:data:`kvfabric.side_table.LEAN_COLUMNS`; the
+        #: keeper of a policy that reads nothing else sets it).
+        self.lean = False
         self.null_block = null_block
         self.evicted_memory = evicted_memory
         self.regret_window_ns = int(regret_window_s * 1e9)
@@ -230,6 +233,7 @@ class Lifecycle:
         null = self.null_block
         refs = self.refs
         rows = self.rows
+        lean = self.lean
         prev_id = -1 if prev is None or prev == null else prev
         for j, b in enumerate(ids):
             raw = raws[j]
@@ -240,7 +244,10 @@ class Lifecycle:
             parent: int | None = t.hash[prev_id] if prev_id >= 0 else None
             if parent is None and j == 0 and parent_raw is not None:
                 parent = hash64(parent_raw)
-            t.seal(b, h, parent, prev_id, start + j, family, rid, now)  # type: ignore[arg-type]
+            if lean:
+                t.seal_lean(b, h, parent, prev_id, start + j)  # type: ignore[arg-type]
+            else:
+                t.seal(b, h, parent, prev_id, start + j, family, rid, now)  # type: ignore[arg-type]
             prev_id = b
             if not rows:
                 continue
@@ -315,14 +322,31 @@ class StatisticsKeeper(Lifecycle):
 
     ``last_use`` is written on ``clock`` (the victim index's logical clock), the clock policies see as ``now``.
     Scores and protection are written by steering itself (it computes them), so ``SCORED`` records are not needed.
+
+    ``reads``: the columns the policy reads (``EvictionPolicy.reads``). When they and the victim index's are all
+    lean (:data:`~kvfabric.side_table.LEAN_COLUMNS`), only those are kept, with the side table's lean operations:
+    a free then costs nothing here, a touch one addition per block, an eviction one write. This runs on vLLM's
+    scheduler thread, once per block of every call (``benchmarks/results/hook_overhead.md``).
     """
 
-    def __init__(self, num_blocks: int, clock: Callable[[], int], null_block: int = 0) -> None:
+    def __init__(self, num_blocks: int, clock: Callable[[], int], null_block: int = 0,
+                 reads: Iterable[str] = ALL_COLUMNS) -> None:
         super().__init__(num_blocks=num_blocks, emit=_nothing, null_block=null_block)
         self.rows = False
         self.clock = clock
         for op in (R.LOOKUP, R.ADMITTED, R.CANCELLED, R.DONE, R.LIMITED, R.RANKED, R.SCORED, R.LOST):
             self._handlers[op] = _nothing
+        self.lean = (INDEX_COLUMNS | set(reads)) <= LEAN_COLUMNS
+        if self.lean:
+            self._handlers[R.ALLOCATED] = self._lean_allocated
+            self._handlers[R.TOUCHED] = self._lean_touched
+            self._handlers[R.FREED] = _nothing  # only ``last_use`` and the expander's ref counts move on a free
+
+    def _lean_allocated(self, rec: tuple) -> None:
+        self.table.forget_all(rec[4])  # a block still holding content was just evicted by vLLM to be reused
+
+    def _lean_touched(self, rec: tuple) -> None:
+        self.table.hit_all(rec[4], self.null_block)
 
     def _stamp(self, ts: int) -> int:
         return self.clock()

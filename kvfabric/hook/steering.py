@@ -440,7 +440,7 @@ def attach_steering(
         num_blocks = int(pool.num_gpu_blocks)
         null_block = int(getattr(getattr(pool, "null_block", None), "block_id", 0) or 0)
         clock: list[VictimIndex] = []
-        keeper = StatisticsKeeper(num_blocks, lambda: clock[0].now, null_block)
+        keeper = StatisticsKeeper(num_blocks, lambda: clock[0].now, null_block, policy.reads)
         index = make_index(policy, keeper, num_blocks)
         clock.append(index)
         recorder.keeper = keeper

@@ -34,6 +34,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from kvfabric.side_table import ALL_COLUMNS
+
 
 class BlockStats(Protocol):
     """What a policy may read about block ``b`` (lists indexed by block id).
@@ -105,6 +107,11 @@ class EvictionPolicy(ABC):
     num_segments: ClassVar[int] = 1
     #: Whether the hook reports its ranking (``eviction_candidates_ranked``, ``retain_score``).
     ranked: ClassVar[bool] = True
+    #: The :class:`BlockStats` columns the policy's :meth:`key`, :meth:`is_protected` and observers read. Inside
+    #: vLLM the statistics keeper keeps only these (and the victim index's own) when they are all lean
+    #: (:data:`kvfabric.side_table.LEAN_COLUMNS`): a column read but not declared may then be stale.
+    #: ``tests/test_policy_reads.py`` runs every built-in policy on a table that refuses undeclared columns.
+    reads: ClassVar[frozenset[str]] = ALL_COLUMNS
 
     def __init__(self, settings: PolicySettings | None = None) -> None:
         self.settings = settings or PolicySettings()

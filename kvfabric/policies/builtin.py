@@ -20,6 +20,7 @@ class LRUPolicy(EvictionPolicy):
     structure: ClassVar[str] = "segments"
     num_segments: ClassVar[int] = 1
     ranked: ClassVar[bool] = False
+    reads: ClassVar[frozenset[str]] = frozenset()
 
     def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
         return 0
@@ -37,6 +38,7 @@ class FamilyProtectPolicy(EvictionPolicy):
     structure: ClassVar[str] = "segments"
     num_segments: ClassVar[int] = 2
     ranked: ClassVar[bool] = False
+    reads: ClassVar[frozenset[str]] = frozenset({"hits", "share"})
 
     def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
         return 1 if (t.hits[b] >= self.settings.protect_min_hit_count or t.share[b] >= 2) else 0
@@ -65,6 +67,7 @@ class SharedAwarePolicy(EvictionPolicy):
 
     name: ClassVar[str] = "shared_aware"
     structure: ClassVar[str] = "heap"
+    reads: ClassVar[frozenset[str]] = frozenset({"hits", "share", "branch", "depth"})
 
     @staticmethod
     def score(t: BlockStats, b: int) -> float:
@@ -147,6 +150,9 @@ class AdaptiveAgingPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "adaptive_aging"
     structure: ClassVar[str] = "heap"
+    #: ``hits`` alone stands for "reused while cached": a second user's use of a block is a hit (``share >= 2``
+    #: implies ``hits >= 1``), so the lean side table (no ``share``) serves this policy.
+    reads: ClassVar[frozenset[str]] = frozenset({"hash", "hits"})
     #: Ghost memory, in pools: how far back an eviction can still be judged (4 pools of allocations).
     GHOST_FACTOR: ClassVar[int] = 4
     #: Allocations the credit moves per ghost-hit block (ARC moves its target by 1 block; blocks here arrive a
@@ -173,11 +179,12 @@ class AdaptiveAgingPolicy(EvictionPolicy):
 
     def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
         ended = ctx is not None and ctx.session_end
-        if ended and t.share[b] <= 1 and t.hits[b] == 0:
+        # Never hit = one user only: the sealer's own use is not a touch, every other user's is.
+        if ended and t.hits[b] == 0:
             self.proven_cls[b] = False
             return self.DEAD + now
         live = ctx is not None and ctx.session is not None and not ended
-        proven = t.hits[b] >= 1 or t.share[b] >= 2 or live or t.hash[b] in self.promoted
+        proven = t.hits[b] >= 1 or live or t.hash[b] in self.promoted
         self.proven_cls[b] = proven
         return now + self.credit if proven else float(now)
 

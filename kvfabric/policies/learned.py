@@ -78,6 +78,7 @@ class LearnedPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "learned"
     structure: ClassVar[str] = "heap"
+    reads: ClassVar[frozenset[str]] = frozenset({"hash", "hits", "depth"})
     #: Ghost memory, in pools (as adaptive_aging).
     GHOST_FACTOR: ClassVar[int] = 4
     #: Allocations the credit moves per ghost-hit block (as adaptive_aging).
@@ -166,7 +167,7 @@ class LearnedPolicy(EvictionPolicy):
 
     def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
         idx, _ = self.classify(t, b, ctx)
-        if ctx is not None and ctx.session_end and t.share[b] <= 1 and t.hits[b] == 0:
+        if ctx is not None and ctx.session_end and t.hits[b] == 0:  # never hit: one user (see adaptive_aging)
             self.favoured[b] = False
             return self.DEAD + now
         favoured = self.favoured_class[idx] or (ctx is not None and ctx.session is not None and not ctx.session_end)

@@ -41,6 +41,7 @@ class OptimalPolicy(EvictionPolicy):
     name: ClassVar[str] = "optimal"
     structure: ClassVar[str] = "heap"
     ranked: ClassVar[bool] = True
+    reads: ClassVar[frozenset[str]] = frozenset({"hash", "depth"})
 
     def __init__(self, occurrences: dict[int, list[int]], settings: PolicySettings | None = None) -> None:
         super().__init__(settings)
