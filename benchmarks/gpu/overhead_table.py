@@ -15,6 +15,7 @@ import argparse
 import collections
 import gzip
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,20 @@ RUNS: dict[str, tuple[str, str]] = {
               "__class__ swaps, hand-over every 100 ms)",
               "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o8 --shape llama-3-8b --rounds 5 --scale 1.5 "
               "--arms plain,kv_events,lru,lru_nosink"),
+    "8b-r5": ("Llama-3-8B shape, 8 rounds, revision a01d0ae",
+              "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o8 --shape llama-3-8b --rounds 8 --scale 1.5 "
+              "--arms plain,kv_events,lru,lru_nosink"),
+    "q05b-r2": ("Qwen2-0.5B shape, 6 rounds, revision a01d0ae, plain in the first engine slot",
+                "python3 benchmarks/gpu/h200_overhead.py --out /tmp/q5 --shape qwen2-0.5b --rounds 6 --scale 3 "
+                "--arms plain,kv_events,lru,lru_nosink"),
+    "q05b-r3": ("Qwen2-0.5B shape, 5 rounds, revision a01d0ae, the engine slots reversed (plain last)",
+                "python3 benchmarks/gpu/h200_overhead.py --out /tmp/q6 --shape qwen2-0.5b --rounds 5 --scale 3 "
+                "--arms lru,kv_events,lru_nosink,plain"),
 }
+
+#: Runs of one revision and shape with the arms in opposite engine slots: taken together, the slot's effect cancels
+#: better (on the 0.5B shape, plain in the first slot beat every arm in every round, and in the last slot lost to them on average).
+POOLS: dict[str, tuple[str, ...]] = {"q05b-r2+r3": ("q05b-r2", "q05b-r3")}
 
 ARM_TEXT = {
     "plain": "vLLM alone (plugin installed, no `KVFABRIC_*`)",
@@ -83,6 +97,21 @@ def run_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def pool_table(pool: str, names: tuple[str, ...], summaries: list[dict[str, Any]]) -> list[str]:
+    """Each arm's tokens/s ratio to plain in each run (a run's own plain: the machine's speed differed between
+    runs), and their geometric mean: with the arms in opposite engine slots, the slot's own effect cancels in it."""
+    if len(summaries) < 2:
+        return []
+    lines = [f"## {pool}: the runs together (engine slots in opposite orders)", "",
+             "| arm | " + " | ".join(f"tok/s vs plain, {n}" for n in names) + " | geometric mean |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for arm in summaries[0]["arms"]:
+        ratios = [s["arms"][arm]["throughput_vs_plain"] for s in summaries]
+        lines.append(f"| {arm} | " + " | ".join(f"{r:.3f}x" for r in ratios)
+                     + f" | {math.prod(ratios) ** (1 / len(ratios)):.3f}x |")
+    return [*lines, ""]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="benchmarks/results/gpu/overhead")
@@ -128,6 +157,9 @@ def main() -> int:
                       "| frame | % of samples |", "|---|---|"]
             lines += [f"| `{f}` | {p:.2f} |" for f, p in shares]
         lines.append("")
+    for pool, members in POOLS.items():
+        if all((d / f"{m}-summary.json").exists() for m in members):
+            lines += pool_table(pool, members, [json.loads((d / f"{m}-summary.json").read_text()) for m in members])
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0
