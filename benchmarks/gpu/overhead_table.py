@@ -46,7 +46,8 @@ RUNS: dict[str, tuple[str, str]] = {
 }
 
 #: Runs of one revision and shape with the arms in opposite engine slots: taken together, the slot's effect cancels
-#: better (on the 0.5B shape, plain in the first slot beat every arm in every round, and in the last slot lost to them on average).
+#: better (on the 0.5B shape, plain in the first slot beat every arm in every round, and in the last slot lost to
+#: them on average).
 POOLS: dict[str, tuple[str, ...]] = {"q05b-r2+r3": ("q05b-r2", "q05b-r3")}
 
 ARM_TEXT = {
