@@ -29,6 +29,7 @@ Evictions: pressure 4 (A2 A1 E0 G0), connector 1, reset 5, unknown 1.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,7 @@ from collector_testkit import (
 from kvfabric import schema as S
 from kvfabric.cli import main as kvfabric_main
 from kvfabric.ingest.store import IncompatibleDatabase, open_database, streams_ddl
-from kvfabric.queries import QueryRunner
+from kvfabric.queries import QueryRunner, catalog
 
 A = [1000, 1001, 1002]
 B = [2000, 2001]
@@ -353,3 +354,15 @@ def test_a_schema_1_file_is_upgraded_in_place(tmp_path: Path) -> None:
     newer.close()
     with pytest.raises(IncompatibleDatabase, match="schema version 99"):
         open_database(path)
+
+
+def test_queries_include_their_shared_parts() -> None:
+    """``-- @include PART`` lines are replaced by ``sql/parts/PART.sql`` (one CTE shared by two analytics); an unknown
+    part is a clear error, and parts are not listed as queries."""
+    for name in ("misses", "admission_chains"):
+        text = catalog.sql(name)
+        assert re.search(r"^-- @include", text, re.MULTILINE) is None
+        assert "tagged AS (" in text and "OVER fwd AS next_lookup" in text
+    assert "lookup_tagged" not in catalog.sql_names()
+    with pytest.raises(ValueError, match="no_such_part"):
+        catalog._INCLUDE.sub(catalog._part, "WITH\n-- @include no_such_part\nx AS (SELECT 1) SELECT * FROM x")

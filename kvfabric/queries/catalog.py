@@ -1,7 +1,8 @@
 """Named SQL: ``kvfabric/queries/sql/NAME.sql``, loaded once from package data.
 
 The files are the single definition of every analytic the REST API, the CLI and the reports show; each states its
-parameters (DuckDB ``$name`` placeholders) in its header comment.
+parameters (DuckDB ``$name`` placeholders) in its header comment. A line ``-- @include PART`` is replaced by the text
+of ``sql/parts/PART.sql`` (a piece several queries share, e.g. one CTE); parts are not queries of their own.
 """
 
 from __future__ import annotations
@@ -11,6 +12,14 @@ from functools import cache
 from importlib import resources
 
 _PARAM = re.compile(r"\$([a-z_][a-z0-9_]*)")
+_INCLUDE = re.compile(r"^-- @include ([a-z_]+)[ \t]*$", re.MULTILINE)
+
+
+def _part(match: re.Match[str]) -> str:
+    path = resources.files("kvfabric.queries").joinpath("sql", "parts", f"{match.group(1)}.sql")
+    if not path.is_file():
+        raise ValueError(f"SQL part {match.group(1)!r} (sql/parts/{match.group(1)}.sql) does not exist")
+    return path.read_text(encoding="utf-8").rstrip("\n")
 
 
 @cache
@@ -21,7 +30,7 @@ def sql(name: str) -> str:
     path = resources.files("kvfabric.queries").joinpath("sql", f"{name}.sql")
     if not path.is_file():
         raise KeyError(name)
-    return path.read_text(encoding="utf-8")
+    return _INCLUDE.sub(_part, path.read_text(encoding="utf-8"))
 
 
 @cache

@@ -11,25 +11,13 @@ WITH bs AS (
     SELECT engine, max(block_size) AS bs FROM streams WHERE run_id = $run GROUP BY engine
 ),
 req AS (
-    SELECT rowid AS row_key, engine, request_id, ts_ns, step, event, block_hash, depth
+    SELECT rowid AS row_key, run_id, engine, request_id, ts_ns, step, event, block_hash, depth
     FROM events
     WHERE run_id = $run AND request_id IS NOT NULL
       AND event IN ('prefix_lookup', 'block_sealed', 'block_touched', 'block_allocated', 'block_freed',
                     'ref_count_changed')
 ),
-tagged AS (
-    SELECT
-        *,
-        first_value(CASE WHEN event = 'prefix_lookup' THEN row_key END IGNORE NULLS) OVER fwd AS next_lookup,
-        first_value(CASE WHEN event = 'prefix_lookup' THEN step END IGNORE NULLS) OVER fwd AS next_lookup_step,
-        last_value(CASE WHEN event = 'prefix_lookup' THEN row_key END IGNORE NULLS) OVER back AS prev_lookup
-    FROM req
-    WINDOW
-        fwd AS (PARTITION BY engine, request_id ORDER BY ts_ns, row_key
-                ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING),
-        back AS (PARTITION BY engine, request_id ORDER BY ts_ns, row_key
-                 ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
-),
+-- @include lookup_tagged
 own AS (
     SELECT
         CASE WHEN event = 'prefix_lookup' THEN row_key

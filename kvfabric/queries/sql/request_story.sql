@@ -33,25 +33,13 @@ WITH lk AS (
 bs AS (
     SELECT run_id, engine, max(block_size) AS bs FROM streams GROUP BY run_id, engine
 ),
-mine AS (
-    SELECT rowid AS row_key, run_id, engine, ts_ns, step, event, block_id, block_hash, depth, age_ns
+req AS (
+    SELECT rowid AS row_key, run_id, engine, request_id, ts_ns, step, event, block_id, block_hash, depth, age_ns
     FROM events
     WHERE request_id = $request AND ($run IS NULL OR run_id = $run)
       AND event IN ('prefix_lookup', 'block_sealed', 'block_touched', 'block_rebuilt', 'cache_admission_limited')
 ),
-tagged AS (
-    SELECT
-        *,
-        first_value(CASE WHEN event = 'prefix_lookup' THEN row_key END IGNORE NULLS) OVER fwd AS next_lookup,
-        first_value(CASE WHEN event = 'prefix_lookup' THEN step END IGNORE NULLS) OVER fwd AS next_lookup_step,
-        last_value(CASE WHEN event = 'prefix_lookup' THEN row_key END IGNORE NULLS) OVER back AS prev_lookup
-    FROM mine
-    WINDOW
-        fwd AS (PARTITION BY run_id, engine ORDER BY ts_ns, row_key
-                ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING),
-        back AS (PARTITION BY run_id, engine ORDER BY ts_ns, row_key
-                 ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
-),
+-- @include lookup_tagged
 own AS (
     SELECT
         CASE WHEN next_lookup_step = step THEN next_lookup ELSE prev_lookup END AS lookup_key,
