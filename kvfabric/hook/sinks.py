@@ -156,13 +156,11 @@ class Sink:
                 if self._retry is not None:
                     rows, seq, n_events, pending = self._retry
                 else:
-                    rows = self.buffer.drain(self.batch_events)
                     pending = self.lost_events - self.reported_lost
-                    if not rows and not pending:
+                    batch = self._take_batch(self.batch_events, pending)
+                    if batch is None:
                         return
-                    n_events = len(rows)
-                    if pending:
-                        rows.insert(0, self._dropped_row(pending))
+                    rows, n_events = batch
                     seq = self.seq
                     self.seq += 1
                 try:
@@ -178,17 +176,36 @@ class Sink:
                     continue
                 except _ENCODE_ERRORS as exc:
                     self._retry = None
-                    self.send_lost += n_events
-                    log.error("kvfabric: sink %s cannot encode a batch of %d events (%s); they are counted lost",
-                              self.name, n_events, exc)
+                    self._unencodable(n_events, exc)
                     continue
                 self._retry = None
-                self.sent_events += n_events
-                self.sent_rows += len(rows)
-                self.sent_batches += 1
-                self.reported_lost += pending
+                self._count_sent(len(rows), n_events, pending)
                 if self.on_progress is not None:
                     self.on_progress()
+
+    def _take_batch(self, limit: int, pending: int) -> tuple[list[tuple], int] | None:
+        """The next batch: a ``sink_dropped`` row for the ``pending`` lost events not yet reported (if any), then up
+        to ``limit`` buffered rows. (rows, events among them), or None when there is nothing to send."""
+        rows = self.buffer.drain(limit)
+        if not rows and not pending:
+            return None
+        n_events = len(rows)
+        if pending:
+            rows.insert(0, self._dropped_row(pending))
+        return rows, n_events
+
+    def _unencodable(self, n_events: int, exc: Exception) -> None:
+        """A batch that cannot be encoded at all (retrying would fail again): its events are counted lost."""
+        self.send_lost += n_events
+        log.error("kvfabric: sink %s cannot encode a batch of %d events (%s); they are counted lost",
+                  self.name, n_events, exc)
+
+    def _count_sent(self, rows: int, n_events: int, pending: int) -> None:
+        """A batch of ``rows`` rows went out: ``n_events`` events, and a report of ``pending`` lost ones."""
+        self.sent_events += n_events
+        self.sent_rows += rows
+        self.sent_batches += 1
+        self.reported_lost += pending
 
     def _abandon(self) -> None:
         """Closing with the destination unreachable: everything still held is lost, and said so."""
@@ -375,27 +392,20 @@ class UnixArrowSink(Sink):
                 if self._unacked_rows >= self.replay_events - (1 if pending else 0):
                     return
                 continue
-            rows = self.buffer.drain(max(0, min(self.batch_events, room)))
-            if not rows and not pending:
+            batch = self._take_batch(max(0, min(self.batch_events, room)), pending)
+            if batch is None:
                 return
-            n_events = len(rows)
-            if pending:
-                rows.insert(0, self._dropped_row(pending))
+            rows, n_events = batch
             seq = self.seq
             try:
                 message = rows_to_batch(rows, seq, self.schema).serialize()
             except _ENCODE_ERRORS as exc:
-                self.send_lost += n_events
-                log.error("kvfabric: sink %s cannot encode a batch of %d events (%s); they are counted lost",
-                          self.name, n_events, exc)
+                self._unencodable(n_events, exc)
                 continue
             self.seq += 1
             self._unacked.append(_Unacked(seq, message, len(rows), n_events, pending))
             self._unacked_rows += len(rows)
-            self.reported_lost += pending
-            self.sent_events += n_events
-            self.sent_rows += len(rows)
-            self.sent_batches += 1
+            self._count_sent(len(rows), n_events, pending)
             if not self._send(message):
                 return
             self._sent_upto += 1
