@@ -4,8 +4,8 @@
 admission gate, or cache-aware scheduling. Plain ``lru`` never reaches this module, so vLLM's own order is
 untouched in that mode (docs/design.md §3).
 
-Eviction order: the methods of a subclass of vLLM's ``FreeKVCacheBlockQueue`` (:func:`policy_queue_class`) are
-bound onto the pool's ``free_block_queue`` *instance* (:func:`hook_queue`). The doubly linked list stays the single
+Eviction order: the functions of :data:`QUEUE_HOOKS` are bound onto the pool's ``free_block_queue`` *instance*
+(:func:`hook_queue`); vLLM's ``FreeKVCacheBlockQueue`` class is untouched. The doubly linked list stays the single
 truth about which blocks are free, in vLLM's order; the policy's :class:`~kvfabric.policies.index.VictimIndex`
 holds the cached free blocks in eviction order beside it. ``popleft_n`` (the only call ``get_new_blocks`` makes)
 hands out:
@@ -62,9 +62,6 @@ from kvfabric.policies.index import VictimIndex, make_index
 
 log = logging.getLogger("kvfabric.hook")
 
-_QUEUE_CLASSES: dict[type, type] = {}
-
-
 class Steering:
     """What steering attached to one pool: the policy, its index and statistics, the gate, the hold; counters."""
 
@@ -98,192 +95,181 @@ class Steering:
             log.exception("kvfabric: steering %s failed; eviction falls back to vLLM's order where needed", where)
 
 
-QUEUE_HOOKS = ("_kv_add_all", "append", "append_n", "prepend_n", "remove", "popleft", "popleft_n")
-"""The methods :func:`hook_queue` binds onto the queue instance."""
-
-
 def hook_queue(queue: Any, steering: Steering, blocks: list[Any]) -> None:
-    """Make ``queue`` (vLLM's free list) hand out the policy's victims: :func:`policy_queue_class`'s methods are
-    bound onto this one instance as attributes. Not by assigning ``__class__``: on CPython 3.11 that turns the
-    object's attributes into a plain dict, and vLLM's own list operations (``self.num_free_blocks`` ...) then run
-    slower on every free, touch and allocation."""
-    cls = policy_queue_class(type(queue))
+    """Make ``queue`` (vLLM's free list) hand out the policy's victims: the functions of :data:`QUEUE_HOOKS` are
+    bound onto this one instance as attributes; each calls vLLM's own method through ``type(self)``. Not a
+    subclass assigned to ``__class__``: on CPython 3.11 that turns the object's attributes into a plain dict, and
+    vLLM's own list operations (``self.num_free_blocks`` ...) then run slower on every free, touch and allocation."""
     queue._kv_steering = steering
     queue._kv_blocks = blocks
-    for name in QUEUE_HOOKS:
-        setattr(queue, name, types.MethodType(cls.__dict__[name], queue))
+    for name, fn in QUEUE_HOOKS.items():
+        setattr(queue, name, types.MethodType(fn, queue))
 
 
-def policy_queue_class(base: type) -> type:
-    """A subclass of ``base`` (vLLM's ``FreeKVCacheBlockQueue``) whose victims come from a policy's index. Its
-    methods call ``base``'s explicitly (no ``super()``), so :func:`hook_queue` can bind them onto an instance of
-    ``base`` itself."""
-    cls = _QUEUE_CLASSES.get(base)
-    if cls is not None:
-        return cls
+# ---- the free queue's methods (``self``: vLLM's FreeKVCacheBlockQueue instance; bound by hook_queue) ----
+# additions
 
-    class PolicyFreeBlockQueue(base):  # type: ignore[misc, valid-type]
-        """vLLM's free list plus a victim index over its cached blocks (see the module docstring)."""
+def _kv_add_all(self: Any, blocks: list[Any]) -> None:
+    """New candidates (in vLLM's order); their scores go out in one record when events are recorded."""
+    st = self._kv_steering
+    index = st.index
+    if index is None:
+        return
+    try:
+        ctx = st.ctx
+        add = index.add
+        if not st.reports:
+            for blk in blocks:
+                if blk.block_hash is not None:
+                    add(blk.block_id, ctx)
+            return
+        policy = st.policy
+        assert policy is not None
+        t = index.owner.table
+        now = index.now
+        ids: list[int] = []
+        scores: list[float] = []
+        flags: list[bool] = []
+        for blk in blocks:
+            if blk.block_hash is None:
+                continue
+            b = blk.block_id
+            key = add(b, ctx)
+            score = policy.retain_score(key, now)
+            flag = policy.is_protected(t, b, key, now)
+            t.score[b] = score
+            t.protected[b] = flag
+            ids.append(b)
+            scores.append(score)
+            flags.append(flag)
+        if ids:
+            r = st.recorder
+            if r.log is not None:
+                r.log.append((R.SCORED, ids, scores, flags))
+    except Exception:
+        st.failed("add")
 
-        _kv_steering: Steering
-        _kv_blocks: list[Any]
+def _append(self: Any, block: Any) -> None:
+    type(self).append(self, block)
+    self._kv_add_all([block])
 
-        # -- additions --------------------------------------------------------------------------------------
+def _append_n(self: Any, blocks: list[Any]) -> None:
+    type(self).append_n(self, blocks)
+    self._kv_add_all(blocks)
 
-        def _kv_add_all(self, blocks: list[Any]) -> None:
-            """New candidates (in vLLM's order); their scores go out in one record when events are recorded."""
-            st = self._kv_steering
-            index = st.index
-            if index is None:
-                return
-            try:
-                ctx = st.ctx
-                add = index.add
-                if not st.reports:
-                    for blk in blocks:
-                        if blk.block_hash is not None:
-                            add(blk.block_id, ctx)
-                    return
-                policy = st.policy
-                assert policy is not None
-                t = index.owner.table
-                now = index.now
-                ids: list[int] = []
-                scores: list[float] = []
-                flags: list[bool] = []
-                for blk in blocks:
-                    if blk.block_hash is None:
-                        continue
-                    b = blk.block_id
-                    key = add(b, ctx)
-                    score = policy.retain_score(key, now)
-                    flag = policy.is_protected(t, b, key, now)
-                    t.score[b] = score
-                    t.protected[b] = flag
-                    ids.append(b)
-                    scores.append(score)
-                    flags.append(flag)
-                if ids:
-                    r = st.recorder
-                    if r.log is not None:
-                        r.log.append((R.SCORED, ids, scores, flags))
-            except Exception:
-                st.failed("add")
+def _prepend_n(self: Any, blocks: list[Any]) -> None:
+    # vLLM prepends only uncached blocks; a cached one (not a vLLM path today) still becomes a candidate.
+    type(self).prepend_n(self, blocks)
+    self._kv_add_all(blocks)
 
-        def append(self, block: Any) -> None:
-            base.append(self, block)
-            self._kv_add_all([block])
+# removals
 
-        def append_n(self, blocks: list[Any]) -> None:
-            base.append_n(self, blocks)
-            self._kv_add_all(blocks)
+def _remove(self: Any, block: Any) -> None:
+    type(self).remove(self, block)
+    index = self._kv_steering.index
+    if index is not None:
+        try:
+            index.discard(block.block_id)
+        except Exception:
+            self._kv_steering.failed("discard")
 
-        def prepend_n(self, blocks: list[Any]) -> None:
-            # vLLM prepends only uncached blocks; a cached one (not a vLLM path today) still becomes a candidate.
-            base.prepend_n(self, blocks)
-            self._kv_add_all(blocks)
+def _popleft(self: Any) -> Any:
+    if self.num_free_blocks <= 0:
+        return type(self).popleft(self)  # raises vLLM's own error
+    return self.popleft_n(1)[0]
 
-        # -- removals ---------------------------------------------------------------------------------------
-
-        def remove(self, block: Any) -> None:
-            base.remove(self, block)
-            index = self._kv_steering.index
-            if index is not None:
-                try:
-                    index.discard(block.block_id)
-                except Exception:
-                    self._kv_steering.failed("discard")
-
-        def popleft(self) -> Any:
-            if self.num_free_blocks <= 0:
-                return base.popleft(self)  # raises vLLM's own error
-            return self.popleft_n(1)[0]
-
-        def popleft_n(self, n: int) -> list[Any]:
-            if n <= 0:
-                return []
-            assert self.num_free_blocks >= n  # vLLM's own precondition (get_new_blocks checks it first)
-            st = self._kv_steering
-            index = st.index
-            head = self.fake_free_list_head
-            tail = self.fake_free_list_tail
-            unlink = base.remove
-            out: list[Any] = []
-            # 1. Uncached blocks first: vLLM keeps them at the head, and reusing them evicts nothing. (The index
-            # holds cached blocks only, but a connector may have dropped a waiting block's hash: forget it too.)
+def _popleft_n(self: Any, n: int) -> list[Any]:
+    if n <= 0:
+        return []
+    assert self.num_free_blocks >= n  # vLLM's own precondition (get_new_blocks checks it first)
+    st = self._kv_steering
+    index = st.index
+    head = self.fake_free_list_head
+    tail = self.fake_free_list_tail
+    unlink = type(self).remove
+    out: list[Any] = []
+    # 1. Uncached blocks first: vLLM keeps them at the head, and reusing them evicts nothing. (The index
+    # holds cached blocks only, but a connector may have dropped a waiting block's hash: forget it too.)
+    while len(out) < n:
+        blk = head.next_free_block
+        if blk is None or blk is tail or blk.block_hash is not None:
+            break
+        unlink(self, blk)
+        out.append(blk)
+    if index is not None and out:
+        try:
+            for blk in out:
+                index.discard(blk.block_id)
+        except Exception:
+            st.failed("discard")
+    # 2. The policy's victims.
+    chosen = 0
+    top_score: float | None = None
+    any_protected = False
+    if len(out) < n and index is not None:
+        blocks = self._kv_blocks
+        reports = st.reports
+        on_evicted = st.on_evicted
+        try:
+            t = index.owner.table
             while len(out) < n:
-                blk = head.next_free_block
-                if blk is None or blk is tail or blk.block_hash is not None:
+                b = index.pop()
+                if b is None:
                     break
+                blk = blocks[b]
+                # Re-validate: only a block that is in the list, hashed and unreferenced may go.
+                if blk.prev_free_block is None or blk.block_hash is None or blk.ref_cnt != 0:
+                    st.stale += 1
+                    continue
                 unlink(self, blk)
                 out.append(blk)
-            if index is not None and out:
-                try:
-                    for blk in out:
-                        index.discard(blk.block_id)
-                except Exception:
-                    st.failed("discard")
-            # 2. The policy's victims.
-            chosen = 0
-            top_score: float | None = None
-            any_protected = False
-            if len(out) < n and index is not None:
-                blocks = self._kv_blocks
-                reports = st.reports
-                on_evicted = st.on_evicted
-                try:
-                    t = index.owner.table
-                    while len(out) < n:
-                        b = index.pop()
-                        if b is None:
-                            break
-                        blk = blocks[b]
-                        # Re-validate: only a block that is in the list, hashed and unreferenced may go.
-                        if blk.prev_free_block is None or blk.block_hash is None or blk.ref_cnt != 0:
-                            st.stale += 1
-                            continue
-                        unlink(self, blk)
-                        out.append(blk)
-                        chosen += 1
-                        if reports:
-                            score = t.score[b]
-                            if score is not None and (top_score is None or score > top_score):
-                                top_score = score
-                            if t.protected[b]:
-                                any_protected = True
-                                st.protected_victims += 1
-                        if on_evicted is not None:
-                            on_evicted(t, b, index.now)
-                except Exception:
-                    st.failed("victim choice")
-            # 3. Whatever is left, in vLLM's order (never fail while n blocks are free).
-            while len(out) < n:
-                blk = head.next_free_block
-                assert blk is not None and blk is not tail, "free list shorter than num_free_blocks"
-                unlink(self, blk)
-                if index is not None:
-                    try:
-                        index.discard(blk.block_id)
-                    except Exception:
-                        st.failed("discard")
-                st.fallbacks += 1
-                out.append(blk)
-            if index is not None:
-                try:
-                    index.tick(n)
-                except Exception:
-                    st.failed("clock")
-            if chosen:
-                st.victims += chosen
-                r = st.recorder
-                if st.reports and st.policy is not None and st.policy.ranked and r.log is not None:
-                    r.log.append((R.RANKED, r.clock(), r.step, r.rid, chosen, top_score, any_protected))
-            return out
+                chosen += 1
+                if reports:
+                    score = t.score[b]
+                    if score is not None and (top_score is None or score > top_score):
+                        top_score = score
+                    if t.protected[b]:
+                        any_protected = True
+                        st.protected_victims += 1
+                if on_evicted is not None:
+                    on_evicted(t, b, index.now)
+        except Exception:
+            st.failed("victim choice")
+    # 3. Whatever is left, in vLLM's order (never fail while n blocks are free).
+    while len(out) < n:
+        blk = head.next_free_block
+        assert blk is not None and blk is not tail, "free list shorter than num_free_blocks"
+        unlink(self, blk)
+        if index is not None:
+            try:
+                index.discard(blk.block_id)
+            except Exception:
+                st.failed("discard")
+        st.fallbacks += 1
+        out.append(blk)
+    if index is not None:
+        try:
+            index.tick(n)
+        except Exception:
+            st.failed("clock")
+    if chosen:
+        st.victims += chosen
+        r = st.recorder
+        if st.reports and st.policy is not None and st.policy.ranked and r.log is not None:
+            r.log.append((R.RANKED, r.clock(), r.step, r.rid, chosen, top_score, any_protected))
+    return out
 
-    PolicyFreeBlockQueue.__name__ = f"KVFabricPolicy{base.__name__}"
-    PolicyFreeBlockQueue.__qualname__ = PolicyFreeBlockQueue.__name__
-    _QUEUE_CLASSES[base] = PolicyFreeBlockQueue
-    return PolicyFreeBlockQueue
+
+QUEUE_HOOKS: dict[str, Callable[..., Any]] = {
+    "_kv_add_all": _kv_add_all,
+    "append": _append,
+    "append_n": _append_n,
+    "prepend_n": _prepend_n,
+    "remove": _remove,
+    "popleft": _popleft,
+    "popleft_n": _popleft_n,
+}
+"""The methods :func:`hook_queue` binds onto the queue instance, by the name vLLM calls."""
 
 
 def _iter_digests(hashes: Any, start: int) -> Iterator[int]:
