@@ -28,9 +28,6 @@ from __future__ import annotations
 
 MAX_USERS = 8
 
-ALL_COLUMNS = frozenset({"hash", "parent", "parent_block", "depth", "family", "hits", "share", "users", "branch",
-                         "children", "last_use", "protected", "score"})
-"""Every column of the side table."""
 INDEX_COLUMNS = frozenset({"hash", "parent", "parent_block"})
 """What the victim index reads itself (the parent link of its descendants-first rule): kept for every policy."""
 LEAN_COLUMNS = INDEX_COLUMNS | {"hits", "depth"}
@@ -173,3 +170,7 @@ class SideTable:
     def cached(self) -> list[int]:
         """Ids of the blocks with cached content (O(blocks): for resets and tests, never the hot path)."""
         return [b for b, h in enumerate(self.hash) if h is not None]
+
+
+ALL_COLUMNS = frozenset(SideTable.__slots__) - {"num_blocks"}
+"""Every column of the side table."""
