@@ -436,10 +436,12 @@ def test_one_side_table_in_process_and_in_the_expander(policy: str) -> None:
     assert len(cached) >= 10
     reads = steering.policy.reads | INDEX_COLUMNS
     assert keeper.lean == (reads <= LEAN_COLUMNS)
-    columns = sorted(reads & LEAN_COLUMNS) if keeper.lean else sorted(ALL_COLUMNS - {"last_use", "protected", "score"})
-    for field in columns:
-        assert [getattr(mine, field)[b] for b in cached] == [getattr(theirs, field)[b] for b in cached], field
-    if not keeper.lean:
+    if keeper.lean:  # lean columns are exact on cached blocks; elsewhere they may be stale (side_table.py)
+        for field in sorted(reads & LEAN_COLUMNS):
+            assert [getattr(mine, field)[b] for b in cached] == [getattr(theirs, field)[b] for b in cached], field
+    else:  # the full table: every block, every column
+        for field in sorted(ALL_COLUMNS - {"last_use", "protected", "score"}):
+            assert getattr(mine, field) == getattr(theirs, field), field
         assert mine.family[1:].count(None) < len(mine.family) - 1  # families are kept in-process too
 
 
