@@ -14,6 +14,12 @@ so drift and noise hit every arm alike. Arms:
   lru_before  the same with the hook of an earlier revision (``--before DIR``: a checkout's ``kvfabric`` package,
               put first on that worker's PYTHONPATH), for a side-by-side before/after
 
+Engine slots: every engine process is resident for the whole run, and on a CPU-bound shape (0.5B) where the
+scheduler, the EngineCore and the forwarder land on the host's cores moved whole arms by 20-40 % between two runs
+of one revision (q05b-r2 against q05b-r3). So by default (``--pin``) the arm that runs is moved, with every thread
+of its process tree (EngineCore, forwarder), onto the same half of the cores, and every idle arm and the collector
+onto the other half: each arm runs on the same cores as every other.
+
 Each worker uses ``spawn``, so its EngineCore imports the plugin afresh with that worker's environment. Every
 round's generated token ids are compared with plain's (observing must not change a token). With ``--profile S``,
 ``py-spy`` samples the EngineCore of the ``lru`` and ``lru_before`` arms for S seconds during one round and the
@@ -193,6 +199,34 @@ class Arm:
         self.proc.stdin.flush()
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (from /proc, no psutil needed)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except OSError:
+                continue
+    return out
+
+
+def pin(pid: int, cores: set[int]) -> int:
+    """Move every thread of ``pid``'s process tree onto ``cores`` (affinity is per thread on Linux; threads started
+    later inherit their creator's). Returns how many threads were moved."""
+    moved = 0
+    for p in _tree(pid):
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cores)
+                moved += 1
+            except OSError:
+                continue  # the thread ended meanwhile
+    return moved
+
+
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=30) as r:
         return json.loads(r.read())
@@ -254,6 +288,8 @@ def main() -> int:
     ap.add_argument("--gpu-util", type=float, default=0.2, help="gpu_memory_utilization of each resident engine")
     ap.add_argument("--before", default=None, help="directory holding an earlier revision's kvfabric package")
     ap.add_argument("--profile", type=int, default=0, help="py-spy seconds on the hooked arms' EngineCore")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="run each arm on the same half of the cores, idle arms and the collector on the other")
     ap.add_argument("--sequential-start", action="store_true", help="start the engines one after another")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -307,6 +343,13 @@ def main() -> int:
             arm.ready = arm.read()
     start_s = time.time() - t0
     print(f"{len(arms)} engines ready in {start_s:.0f} s", flush=True)
+    cores = sorted(os.sched_getaffinity(0))
+    run_cores, idle_cores = set(cores[: len(cores) // 2]), set(cores[len(cores) // 2:])
+    pinning: dict[str, Any] = {"on": bool(args.pin and len(cores) >= 4)}
+    if pinning["on"]:
+        pinning |= {"run_cores": sorted(run_cores), "idle_cores": sorted(idle_cores)}
+        for proc in [*(a.proc for a in arms), *collectors]:
+            pin(proc.pid, idle_cores)
 
     rounds: list[dict[str, dict[str, Any]]] = []
     profiles: dict[str, Path] = {}
@@ -318,12 +361,16 @@ def main() -> int:
             if args.profile and r == 1 and arm.name.startswith("lru") and arm.ready:
                 profiles[arm.name] = out / f"profile-{arm.name}.txt"
                 spy = _profile(arm.ready.get("engine_pids", []), args.profile, profiles[arm.name])
+            if pinning["on"]:
+                pin(arm.proc.pid, run_cores)
             arm.send("run")
             results[arm.name] = arm.read()
             if spy is not None:
                 spy.wait(timeout=args.profile + 30)
             arm.send("reset")  # every round starts from an empty prefix cache
             arm.read()
+            if pinning["on"]:
+                pin(arm.proc.pid, idle_cores)
         rounds.append(results)
         print(f"round {r + 1}: " + ", ".join(f"{a} {v['wall_s']:.2f}s" for a, v in results.items()), flush=True)
     for arm in arms:
@@ -341,7 +388,8 @@ def main() -> int:
         c.wait(60)
 
     summary: dict[str, Any] = {"shape": args.shape, "rounds": args.rounds, "num_blocks": args.num_blocks,
-                               "scale": args.scale, "engines_start_s": round(start_s, 1), "arms": {}}
+                               "scale": args.scale, "engines_start_s": round(start_s, 1), "pinning": pinning,
+                               "arms": {}}
     plain_walls = [rd["plain"]["wall_s"] for rd in rounds] if "plain" in names else []
     for name in names:
         walls = [rd[name]["wall_s"] for rd in rounds]
