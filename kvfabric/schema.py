@@ -129,6 +129,8 @@ def hash64(block_hash: object) -> int | None:
     vLLM's hashes are cryptographic digests (sha256 by default) optionally followed by a group id, so their first
     eight bytes are already uniformly distributed: taking them is enough and costs no hashing on the hot path.
     """
+    if type(block_hash) is bytes:  # vLLM 0.26/0.33's BlockHash: the one type the hot path sees, checked first
+        return int.from_bytes(block_hash[:8], "little", signed=True)
     if block_hash is None:
         return None
     if isinstance(block_hash, (bytes, bytearray, memoryview)):

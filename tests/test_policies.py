@@ -106,12 +106,77 @@ def test_index_evicts_descendants_first_whatever_the_keys() -> None:
 
 
 def test_heap_index_compacts_stale_entries() -> None:
-    owner = Owner(4)
-    index = HeapIndex(KeyFromTable(), owner, 4)
+    """Blocks that fit no lane go to the heap, whose discarded entries are rebuilt away."""
+    owner = Owner(HeapIndex.LANES + 2)
+    index = HeapIndex(KeyFromTable(), owner, HeapIndex.LANES + 2)
+    for b in range(HeapIndex.LANES):  # falling keys: one lane each, every lane's last key above what follows
+        owner.table.hits[b] = 100 - b
+        index.add(b)
+    assert len(index.lanes) == HeapIndex.LANES and index.heap == []
+    last = HeapIndex.LANES
+    owner.table.hits[last] = 1
     for _ in range(5000):
-        index.add(1)
-        index.discard(1)
-    assert len(index.heap) <= 2 * len(index) + 1025
+        index.add(last)
+        index.discard(last)
+    assert 0 < len(index.heap) <= 2 * index.in_heap + 65
+    index.add(last)
+    assert [index.pop() for _ in range(HeapIndex.LANES + 1)] == [last, *reversed(range(HeapIndex.LANES))]
+
+
+@pytest.mark.parametrize("policy_cls", [KeyFromTable, SegmentFromTable])
+@settings(max_examples=int(__import__("os").environ.get("KVF_EXAMPLES", 200)), deadline=None)
+@given(parents=st.lists(st.integers(-1, 11), min_size=12, max_size=12),
+       ops=st.lists(st.tuples(st.sampled_from(["add", "add", "discard", "pop"]), st.integers(0, 11),
+                              st.integers(0, 40)), max_size=150))
+def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPolicy], parents: list[int],
+                                                   ops: list[tuple[str, int, int]]) -> None:
+    """With parent links (random forests, keys in any order along a chain): ``pop`` returns the lowest (key,
+    arrival) among held blocks none of whose held children link to them, keys clamped at add under a held parent's.
+    Exercises the heap's lanes (keys 0-40 in any order), its heap, and deferral."""
+    n = 12
+    owner = Owner(n)
+    t = owner.table
+    for b in range(n):
+        p = parents[b] if parents[b] < b else -1  # a forest: parents have lower ids
+        t.hash[b] = 1000 + b
+        t.parent_block[b] = p
+        t.parent[b] = None if p < 0 else 1000 + p
+    index = (HeapIndex if policy_cls.structure == "heap" else SegmentedIndex)(policy_cls(), owner, n)
+    clamp = (lambda k: k) if policy_cls.structure == "heap" else (lambda k: min(max(k, 0), 2))
+    model: dict[int, tuple[float, int]] = {}
+    link: dict[int, int] = {}
+    arrival = 0
+    for op, b, key in ops:
+        if op == "add":
+            t.hits[b] = key
+            got = index.add(b)
+            if b not in model:
+                k = float(key)
+                p = t.parent_block[b]
+                if p >= 0:
+                    link[b] = p
+                    if p in model and model[p][0] < k:
+                        k = model[p][0]
+                arrival += 1
+                model[b] = (k, arrival)
+            assert got == model[b][0]
+        elif op == "discard":
+            assert index.discard(b) == (b in model)
+            model.pop(b, None)
+            link.pop(b, None)
+        else:
+            got = index.pop()
+            eligible = [x for x in model if not any(link.get(c) == x for c in model)]
+            if not model:
+                assert got is None
+            else:
+                assert eligible, "a forest always has a held leaf"
+                want = min(eligible, key=lambda x: (clamp(model[x][0]), model[x][1]))
+                assert got == want
+                del model[want]
+                link.pop(want, None)
+        assert len(index) == len(model)
+        assert all((x in index) == (x in model) for x in range(n))
 
 
 def test_policy_names_are_constructible_and_keys_monotone_along_a_chain() -> None:

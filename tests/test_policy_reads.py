@@ -71,13 +71,14 @@ def test_the_guard_refuses_an_undeclared_read() -> None:
     """The check above can fail: a policy reading ``family`` while declaring only ``hits`` is caught."""
     manager, _, steering = make_manager(14, "adaptive_aging", anchor=0)
     assert steering is not None and steering.index is not None and steering.policy is not None
-    original = steering.policy.key
+    original = steering.policy.keys  # what the index calls, once per free
 
-    def sneaky_key(t: Any, b: int, now: int, ctx: Any) -> float:
-        t.family[b]  # an undeclared read
-        return original(t, b, now, ctx)
+    def sneaky_keys(t: Any, ids: list[int], now: int, ctx: Any) -> list[float]:
+        for b in ids:
+            t.family[b]  # an undeclared read
+        return original(t, ids, now, ctx)
 
-    steering.policy.key = sneaky_key  # type: ignore[method-assign]
+    steering.policy.keys = sneaky_keys  # type: ignore[method-assign]
     owner = GuardedOwner(steering.keeper, steering.policy.reads | INDEX_COLUMNS | STEERING_COLUMNS)
     steering.index.owner = owner
     req = make_request("q", [1] * 32 + [2] * 40)

@@ -110,42 +110,26 @@ def hook_queue(queue: Any, steering: Steering, blocks: list[Any]) -> None:
 # additions
 
 def _kv_add_all(self: Any, blocks: list[Any]) -> None:
-    """New candidates (in vLLM's order); their scores go out in one record when events are recorded."""
+    """New candidates (in vLLM's order), added in one call; their scores go out in one record when events are
+    recorded."""
     st = self._kv_steering
     index = st.index
     if index is None:
         return
     try:
-        ctx = st.ctx
-        add = index.add
-        if not st.reports:
-            for blk in blocks:
-                if blk.block_hash is not None:
-                    add(blk.block_id, ctx)
+        ids, keys = index.add_many([blk.block_id for blk in blocks if blk.block_hash is not None], st.ctx)
+        if not ids or not st.reports:
             return
-        policy = st.policy
-        assert policy is not None
         t = index.owner.table
-        now = index.now
-        ids: list[int] = []
-        scores: list[float] = []
-        flags: list[bool] = []
-        for blk in blocks:
-            if blk.block_hash is None:
-                continue
-            b = blk.block_id
-            key = add(b, ctx)
-            score = policy.retain_score(key, now)
-            flag = policy.is_protected(t, b, key, now)
-            t.score[b] = score
-            t.protected[b] = flag
-            ids.append(b)
-            scores.append(score)
-            flags.append(flag)
-        if ids:
-            r = st.recorder
-            if r.log is not None:
-                r.log.append((R.SCORED, ids, scores, flags))
+        scores, flags = index.policy.report(t, ids, keys, index.now)
+        score = t.score
+        protected = t.protected
+        for b, sc, flag in zip(ids, scores, flags, strict=True):
+            score[b] = sc
+            protected[b] = flag
+        r = st.recorder
+        if r.log is not None:
+            r.log.append((R.SCORED, ids, scores, flags))
     except Exception:
         st.failed("add")
 
@@ -208,31 +192,36 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
     any_protected = False
     if len(out) < n and index is not None:
         blocks = self._kv_blocks
-        reports = st.reports
         on_evicted = st.on_evicted
         try:
             t = index.owner.table
             while len(out) < n:
-                b = index.pop()
-                if b is None:
+                got = index.pop_n(n - len(out))
+                if not got:
                     break
-                blk = blocks[b]
-                # Re-validate: only a block that is in the list, hashed and unreferenced may go.
-                if blk.prev_free_block is None or blk.block_hash is None or blk.ref_cnt != 0:
-                    st.stale += 1
-                    continue
-                unlink(self, blk)
-                out.append(blk)
-                chosen += 1
-                if reports:
-                    score = t.score[b]
-                    if score is not None and (top_score is None or score > top_score):
-                        top_score = score
-                    if t.protected[b]:
-                        any_protected = True
-                        st.protected_victims += 1
-                if on_evicted is not None:
-                    on_evicted(t, b, index.now)
+                taken: list[int] = []
+                for b in got:
+                    blk = blocks[b]
+                    # Re-validate: only a block that is in the list, hashed and unreferenced may go.
+                    if blk.prev_free_block is None or blk.block_hash is None or blk.ref_cnt != 0:
+                        st.stale += 1
+                        continue
+                    unlink(self, blk)
+                    out.append(blk)
+                    taken.append(b)
+                    if on_evicted is not None:
+                        on_evicted(t, b, index.now)
+                chosen += len(taken)
+                if st.reports:
+                    score = t.score
+                    protected = t.protected
+                    for b in taken:
+                        sc = score[b]
+                        if sc is not None and (top_score is None or sc > top_score):
+                            top_score = sc
+                        if protected[b]:
+                            any_protected = True
+                            st.protected_victims += 1
         except Exception:
             st.failed("victim choice")
     # 3. Whatever is left, in vLLM's order (never fail while n blocks are free).

@@ -121,6 +121,12 @@ class EvictionPolicy(ABC):
         """Eviction key of block ``b`` becoming a candidate at logical time ``now`` (lower = evicted sooner);
         ``ctx`` is the request whose free made it a candidate (None when vLLM frees with no request)."""
 
+    def keys(self, t: BlockStats, ids: list[int], now: int, ctx: RequestInfo | None) -> list[float]:
+        """The keys of blocks ``ids``, becoming candidates together (one free) at ``now``, in order: exactly
+        ``[key(t, b, now, ctx) for b in ids]``. A policy on the hot path may override it with one loop."""
+        key = self.key
+        return [key(t, b, now, ctx) for b in ids]
+
     def retain_score(self, key: float, now: int) -> float:
         """The key as reported in events (``retain_score``, higher = keep). Default: the key itself."""
         return float(key)
@@ -128,6 +134,14 @@ class EvictionPolicy(ABC):
     def is_protected(self, t: BlockStats, b: int, key: float, now: int) -> bool:
         """Whether the policy deliberately keeps ``b`` over plain-LRU candidates (reported, never a veto)."""
         return False
+
+    def report(self, t: BlockStats, ids: list[int], keys: list[float], now: int) -> tuple[list[float], list[bool]]:
+        """Retain scores and protection flags of blocks ``ids`` just added with ``keys`` at ``now``: exactly
+        :meth:`retain_score` and :meth:`is_protected` of each. A policy on the hot path may override it."""
+        score = self.retain_score
+        protected = self.is_protected
+        return ([score(k, now) for k in keys],
+                [protected(t, b, k, now) for b, k in zip(ids, keys, strict=True)])
 
     def bind(self, num_blocks: int) -> None:  # noqa: B027
         """Called once by the index with the pool size (policies with per-block state allocate it here)."""

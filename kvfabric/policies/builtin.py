@@ -178,15 +178,34 @@ class AdaptiveAgingPolicy(EvictionPolicy):
         self.ghost_proven = _GhostSet(self.GHOST_FACTOR * num_blocks)
 
     def key(self, t: BlockStats, b: int, now: int, ctx: RequestInfo | None) -> float:
+        return self.keys(t, [b], now, ctx)[0]
+
+    def keys(self, t: BlockStats, ids: list[int], now: int, ctx: RequestInfo | None) -> list[float]:
+        # One loop per free (the hot path): the request context is the same for all of a free's blocks.
         ended = ctx is not None and ctx.session_end
-        # Never hit = one user only: the sealer's own use is not a touch, every other user's is.
-        if ended and t.hits[b] == 0:
-            self.proven_cls[b] = False
-            return self.DEAD + now
         live = ctx is not None and ctx.session is not None and not ended
-        proven = t.hits[b] >= 1 or live or t.hash[b] in self.promoted
-        self.proven_cls[b] = proven
-        return now + self.credit if proven else float(now)
+        hits = t.hits
+        hashes = t.hash
+        promoted = self.promoted
+        proven_cls = self.proven_cls
+        credited = now + self.credit
+        plain = float(now)
+        dead = self.DEAD + now
+        out: list[float] = []
+        for b in ids:
+            if hits[b]:
+                proven = True
+            elif ended:
+                # Never hit = one user only (the sealer's own use is not a touch, every other user's is):
+                # the conversation is over, its private blocks go first.
+                proven_cls[b] = False
+                out.append(dead)
+                continue
+            else:
+                proven = live or hashes[b] in promoted
+            proven_cls[b] = proven
+            out.append(credited if proven else plain)
+        return out
 
     def retain_score(self, key: float, now: int) -> float:
         """Allocations of life left before this block would go under pure LRU order (negative: overdue)."""
@@ -194,6 +213,11 @@ class AdaptiveAgingPolicy(EvictionPolicy):
 
     def is_protected(self, t: BlockStats, b: int, key: float, now: int) -> bool:
         return bool(self.proven_cls[b]) and self.credit > 0
+
+    def report(self, t: BlockStats, ids: list[int], keys: list[float], now: int) -> tuple[list[float], list[bool]]:
+        proven_cls = self.proven_cls
+        flags = [bool(proven_cls[b]) for b in ids] if self.credit > 0 else [False] * len(ids)
+        return [k - now for k in keys], flags
 
     def on_request_started(self, info: RequestInfo, hit_blocks: int, num_blocks: int,
                            missed: Iterable[int] = (), digests: Sequence[int] | None = None) -> None:

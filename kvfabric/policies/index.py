@@ -18,12 +18,18 @@ Invariants:
     once and forgets it;
   * **descendants before ancestors**: ``pop`` never returns a block while a child of it (a block sealed with it
     as parent, still holding that parent's hash) is held. Keys are clamped at ``add`` (a child never outranks a
-    held parent) and ``pop`` descends from the chosen block to a held leaf below it, so the rule holds exactly
+    held parent), and a block that reaches the top while children of it are held is *deferred*: set aside, and
+    put back in its place (same key, same arrival) when its last held child leaves. So the rule holds exactly
     even when a policy's keys are not monotone along a chain;
   * the logical clock ``now`` advances by one per block handed out (:meth:`tick`); it is what policies see.
 
-The descent is O(1) per step and, with keys that are monotone along chains (every built-in policy's), it almost
-never goes further than one step: a parent becomes a candidate after its children and with a key at least theirs.
+Blocks arrive a call at a time (vLLM frees a request's blocks in one ``append_n``), so the index takes them the
+same way: :meth:`~VictimIndex.add_many` asks the policy for all their keys in one call
+(:meth:`~kvfabric.policies.base.EvictionPolicy.keys`), and :meth:`~VictimIndex.pop_n` hands out several victims
+per call. A parent knows only how many of its children are held (a count, not a set: nothing is allocated per
+block). Deferral is rare: vLLM frees a request's blocks tail first, and a block is freed only when its last user
+lets go, a user holding the block's whole prefix; so a parent becomes a candidate after its children and, with keys
+monotone along chains (every built-in policy's), ranks after them.
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ class VictimIndex(ABC):
         self.size = 0
         self.held = [False] * num_blocks
         self.keys: list[float] = [0.0] * num_blocks
-        # Held children of each block (by block id), and the parent each held block is linked to (-1: none).
-        self.kids: list[set[int] | None] = [None] * num_blocks
+        # The parent each held block is linked to (-1: none), how many held children link to each block, and
+        # whether a held block is set aside (out of the ordering structure) until those children leave.
         self.link = [-1] * num_blocks
-        self.descents = 0  # pops that had to walk below the chosen block (diagnostics)
+        self.nkids = [0] * num_blocks
+        self.deferred = [False] * num_blocks
+        self.descents = 0  # times a block reached the top with held children and was set aside (diagnostics)
         policy.bind(num_blocks)
         policy.bind_index(self)
 
@@ -63,42 +71,45 @@ class VictimIndex(ABC):
         """``n`` blocks were handed out: the logical clock policies see."""
         self.now += n
 
-    def _parent(self, t: object, b: int) -> int:
-        """The block holding ``b``'s parent content, if it still does (its hash is ``b``'s parent hash)."""
-        p = t.parent_block[b]  # type: ignore[attr-defined]
-        if p < 0 or p == b:
-            return -1
-        ph = t.parent[b]  # type: ignore[attr-defined]
-        if ph is None or t.hash[p] != ph:  # type: ignore[attr-defined]
-            return -1  # the parent was evicted (and maybe reused) since: the link is dead
-        return p
-
     def add(self, b: int, ctx: RequestInfo | None = None) -> float:
         """Block ``b`` became a cached free candidate (freed by the request ``ctx``, if any). Returns its key
-        (already clamped under its parent's)."""
-        held = self.held
-        if held[b]:
+        (already clamped under its parent's); a block already held keeps its key."""
+        if self.held[b]:
             return self.keys[b]
+        return self.add_many([b], ctx)[1][0]
+
+    def add_many(self, ids: list[int], ctx: RequestInfo | None = None) -> tuple[list[int], list[float]]:
+        """Blocks ``ids`` (distinct) became candidates together, in this order, freed by ``ctx``. Returns the
+        blocks added (those of ``ids`` not held already, in order) and their keys, clamped under held parents'."""
+        held = self.held
+        if any(map(held.__getitem__, ids)):
+            ids = [b for b in ids if not held[b]]
+        if not ids:
+            return ids, []
         t = self.owner.table
-        key = self.policy.key(t, b, self.now, ctx)
-        # The parent link (inlined _parent: this is the per-block hot path).
-        p = t.parent_block[b]
-        if p >= 0 and (p == b or t.parent[b] is None or t.hash[p] != t.parent[b]):
-            p = -1
-        if p >= 0:
-            if held[p] and self.keys[p] < key:
-                key = self.keys[p]  # a child never outranks its held parent; ties go deeper-first (arrival order)
-            kids = self.kids[p]
-            if kids is None:
-                self.kids[p] = {b}
-            else:
-                kids.add(b)
-            self.link[b] = p
-        held[b] = True
-        self.keys[b] = key
-        self.size += 1
-        self._insert(b, key)
-        return key
+        keys = self.policy.keys(t, ids, self.now, ctx)
+        own = self.keys
+        link = self.link
+        nkids = self.nkids
+        parent_block = t.parent_block
+        parent = t.parent
+        hashes = t.hash
+        for i, b in enumerate(ids):
+            # The parent link: the block holding b's parent content, if it still does (its hash is b's parent
+            # hash). A dead link (the parent was evicted, and maybe reused, since) is no link.
+            p = parent_block[b]
+            if p >= 0 and p != b:
+                ph = parent[b]
+                if ph is not None and hashes[p] == ph:
+                    if held[p] and own[p] < keys[i]:
+                        keys[i] = own[p]  # a child never outranks its held parent; ties go deeper-first
+                    link[b] = p
+                    nkids[p] += 1
+            held[b] = True
+            own[b] = keys[i]
+        self.size += len(ids)
+        self._insert_many(ids, keys)
+        return ids, keys
 
     def discard(self, b: int) -> bool:
         """Block ``b`` left the candidates (touched again, or no longer cached). Returns whether it was held."""
@@ -106,28 +117,51 @@ class VictimIndex(ABC):
             return False
         self.held[b] = False
         self.size -= 1
-        p = self.link[b]
-        if p >= 0:
-            kids = self.kids[p]
-            if kids is not None:
-                kids.discard(b)
-            self.link[b] = -1
-        self._remove(b)
+        if self.deferred[b]:
+            self.deferred[b] = False  # set aside: it is not in the ordering structure
+        else:
+            self._remove(b)
+        if self.link[b] >= 0:
+            self._unlink(b)
         return True
+
+    def _unlink(self, b: int) -> None:
+        """``b`` is no longer held: its parent has one held child fewer, and goes back in place at none."""
+        p = self.link[b]
+        self.link[b] = -1
+        n = self.nkids[p] - 1
+        self.nkids[p] = n
+        if n == 0 and self.deferred[p]:
+            self.deferred[p] = False
+            self._restore(p)
 
     def pop(self) -> int | None:
         """Take the next victim (a held leaf), or None when nothing is held."""
-        b = self._peek()
-        if b is None:
-            return None
-        kids = self.kids[b]
-        if kids:
-            self.descents += 1
-            while kids:
-                b = next(iter(kids))
-                kids = self.kids[b]
-        self.discard(b)
-        return b
+        got = self.pop_n(1)
+        return got[0] if got else None
+
+    def pop_n(self, n: int) -> list[int]:
+        """Take up to ``n`` victims, lowest key first (ties: earliest added), never a block with held children;
+        fewer only when fewer are held."""
+        out: list[int] = []
+        nkids = self.nkids
+        held = self.held
+        link = self.link
+        take = self._take_min
+        while len(out) < n:
+            b = take()
+            if b is None:
+                break
+            if nkids[b]:
+                self.deferred[b] = True  # back in its place when its last held child leaves (_unlink)
+                self.descents += 1
+                continue
+            held[b] = False
+            self.size -= 1
+            if link[b] >= 0:
+                self._unlink(b)
+            out.append(b)
+        return out
 
     def clear(self) -> None:
         for b in range(self.num_blocks):
@@ -135,21 +169,29 @@ class VictimIndex(ABC):
                 self.discard(b)
 
     @abstractmethod
-    def _insert(self, b: int, key: float) -> None: ...
+    def _insert_many(self, ids: list[int], keys: list[float]) -> None:
+        """Put newly held blocks into the ordering structure, behind those already there (ties: arrival order)."""
 
     @abstractmethod
-    def _remove(self, b: int) -> None: ...
+    def _remove(self, b: int) -> None:
+        """Take held block ``b`` out of the ordering structure."""
 
     @abstractmethod
-    def _peek(self) -> int | None:
-        """The held block with the lowest key (ties: earliest added), without removing it."""
+    def _take_min(self) -> int | None:
+        """Take the block with the lowest key (ties: earliest added) out of the ordering structure (the caller
+        decides whether it leaves or is deferred), or None when the structure is empty."""
+
+    @abstractmethod
+    def _restore(self, b: int) -> None:
+        """Put deferred block ``b`` back in its place (its key and arrival unchanged)."""
 
 
 class SegmentedIndex(VictimIndex):
     """FIFO segments (``key`` is the segment number, 0 evicted first): O(1) everything.
 
     With one segment this is exactly vLLM's LRU order for cached blocks (arrival order = free order, a request's
-    blocks tail first).
+    blocks tail first). A deferred block, once restored, waits in a small heap by (segment, arrival) beside the
+    segments, so it keeps its place exactly.
     """
 
     def __init__(self, policy: EvictionPolicy, owner: TableOwner, num_blocks: int) -> None:
@@ -157,63 +199,172 @@ class SegmentedIndex(VictimIndex):
         self.segments: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(max(1, policy.num_segments))]
         self.segment_of = [0] * num_blocks
         self._last = len(self.segments) - 1
+        self.entry = [0] * num_blocks  # arrival number of each held block
+        self.arrivals = 0
+        self.restored: list[tuple[int, int, int]] = []  # (segment, arrival, block) of restored deferred blocks
+        self.is_restored = [False] * num_blocks
 
-    def _insert(self, b: int, key: float) -> None:
-        s = int(key)
-        s = 0 if s < 0 else (self._last if s > self._last else s)
-        self.segment_of[b] = s
-        self.segments[s][b] = None
+    def _insert_many(self, ids: list[int], keys: list[float]) -> None:
+        last = self._last
+        segments = self.segments
+        segment_of = self.segment_of
+        entry = self.entry
+        arrival = self.arrivals
+        for b, key in zip(ids, keys, strict=True):
+            s = int(key)
+            s = 0 if s < 0 else (last if s > last else s)
+            segment_of[b] = s
+            segments[s][b] = None
+            arrival += 1
+            entry[b] = arrival
+        self.arrivals = arrival
 
     def _remove(self, b: int) -> None:
-        del self.segments[self.segment_of[b]][b]
+        if self.is_restored[b]:
+            self.is_restored[b] = False  # its heap entry is skipped when it reaches the top
+        else:
+            del self.segments[self.segment_of[b]][b]
 
-    def _peek(self) -> int | None:
-        for seg in self.segments:
+    def _take_min(self) -> int | None:
+        restored = self.restored
+        while restored and not self.is_restored[restored[0][2]]:
+            heapq.heappop(restored)
+        for s, seg in enumerate(self.segments):
             if seg:
-                return next(iter(seg))
+                b = next(iter(seg))
+                if restored and restored[0][:2] < (s, self.entry[b]):
+                    break
+                seg.popitem(last=False)
+                return b
+        if restored:
+            b = heapq.heappop(restored)[2]
+            self.is_restored[b] = False
+            return b
         return None
+
+    def _restore(self, b: int) -> None:
+        self.is_restored[b] = True
+        heapq.heappush(self.restored, (self.segment_of[b], self.entry[b], b))
 
     def segment_sizes(self) -> list[int]:
         return [len(s) for s in self.segments]
 
 
 class HeapIndex(VictimIndex):
-    """A binary heap of ``(key, arrival, block)`` with lazy deletion: O(log n) add/pop, O(1) discard.
+    """Lowest ``(key, arrival)`` first: a few FIFO *lanes* for runs of non-decreasing keys, and a binary heap for
+    the rest. O(log n) add/pop, O(1) discard.
 
-    Stale entries (discarded or re-added blocks) are skipped at the top and the heap is rebuilt when they
-    outnumber live ones, so memory stays O(n) and every operation's amortised cost stays O(log n).
+    Keys usually arrive nearly sorted (a recency term ``now`` grows with every block handed out; a request's blocks
+    share one key), so most blocks join the end of a lane: the lane whose last key is the largest one not above
+    theirs (patience sorting; a lane keeps its keys in arrival order and non-decreasing, so its head is its
+    minimum). At most :attr:`LANES` lanes exist; a block that fits none goes to the heap. ``pop`` takes the least
+    of the lanes' heads and the heap's top. A lane's block leaves it in O(1) (an ordered dict), so touched blocks
+    leave nothing behind; heap entries are deleted lazily (stale ones are skipped at the top, and the heap is rebuilt
+    when they outnumber live ones), so memory stays O(n).
     """
+
+    #: Lanes at most. Each one costs a comparison per add and per pop; keys with a recency term need two or three
+    #: (e.g. protected and unprotected blocks), keys with no order between arrivals fall through to the heap.
+    LANES = 4
 
     def __init__(self, policy: EvictionPolicy, owner: TableOwner, num_blocks: int) -> None:
         super().__init__(policy, owner, num_blocks)
         self.heap: list[tuple[float, int, int]] = []
-        self.entry = [0] * num_blocks  # arrival number of the live entry of each block (0: none)
+        self.entry = [0] * num_blocks  # arrival number of each held block (heap entries carry it: lazy deletion)
         self.arrivals = 0
+        self.in_heap = 0  # held blocks whose entry is in the heap (or deferred from it)
+        self.lanes: list[OrderedDict[int, None]] = []
+        self.tails: list[float] = []  # the last key added to each lane (-inf: the lane is empty)
+        self.lane_of = [-1] * num_blocks  # the lane of each held block, -1: the heap
 
-    def _insert(self, b: int, key: float) -> None:
-        self.arrivals += 1
-        self.entry[b] = self.arrivals
-        heapq.heappush(self.heap, (key, self.arrivals, b))
-        if len(self.heap) > 2 * self.size + 1024:
+    def _insert_many(self, ids: list[int], keys: list[float]) -> None:
+        entry = self.entry
+        lane_of = self.lane_of
+        lanes = self.lanes
+        tails = self.tails
+        arrival = self.arrivals
+        last_key: float | None = None
+        lane = -1
+        for b, key in zip(ids, keys, strict=True):
+            arrival += 1
+            entry[b] = arrival
+            if key != last_key:
+                # Best fit: the lane whose last key is the largest one not above this key.
+                lane = -1
+                best = -_INF
+                for i, tail in enumerate(tails):
+                    if best <= tail <= key and (lane < 0 or tail > best):
+                        lane, best = i, tail
+                if lane < 0 and len(lanes) < self.LANES:
+                    lanes.append(OrderedDict())
+                    tails.append(-_INF)
+                    lane = len(lanes) - 1
+                last_key = key
+            lane_of[b] = lane
+            if lane >= 0:
+                lanes[lane][b] = None
+                tails[lane] = key
+            else:
+                self.in_heap += 1
+                heapq.heappush(self.heap, (key, arrival, b))
+        self.arrivals = arrival
+        if len(self.heap) > 2 * self.in_heap + 64:
             self._compact()
 
     def _remove(self, b: int) -> None:
-        self.entry[b] = 0
+        lane = self.lane_of[b]
+        if lane >= 0:
+            seg = self.lanes[lane]
+            del seg[b]
+            if not seg:
+                self.tails[lane] = -_INF
+        else:
+            self.entry[b] = 0
+            self.in_heap -= 1
 
-    def _peek(self) -> int | None:
+    def _take_min(self) -> int | None:
         heap = self.heap
         entry = self.entry
-        while heap:
-            _, arrival, b = heap[0]
-            if entry[b] == arrival:
-                return b
+        while heap and entry[heap[0][2]] != heap[0][1]:
             heapq.heappop(heap)
-        return None
+        keys = self.keys
+        best = -1
+        best_key = 0.0
+        best_arrival = 0
+        if heap:
+            best_key, best_arrival, best = heap[0]
+        lane = -1
+        for i, seg in enumerate(self.lanes):
+            if seg:
+                b = next(iter(seg))
+                k = keys[b]
+                if best < 0 or k < best_key or (k == best_key and entry[b] < best_arrival):
+                    best, best_key, best_arrival, lane = b, k, entry[b], i
+        if best < 0:
+            return None
+        if lane >= 0:
+            seg = self.lanes[lane]
+            seg.popitem(last=False)
+            if not seg:
+                self.tails[lane] = -_INF
+        else:
+            heapq.heappop(heap)
+            self.in_heap -= 1
+        return best
+
+    def _restore(self, b: int) -> None:
+        # To the heap, whatever it came from: its lane may have emptied and taken smaller keys since (rare path).
+        self.lane_of[b] = -1
+        self.in_heap += 1
+        heapq.heappush(self.heap, (self.keys[b], self.entry[b], b))
 
     def _compact(self) -> None:
         entry = self.entry
         self.heap = [e for e in self.heap if entry[e[2]] == e[1]]
         heapq.heapify(self.heap)
+
+
+_INF = float("inf")
 
 
 def make_index(policy: EvictionPolicy, owner: TableOwner, num_blocks: int) -> VictimIndex:
