@@ -310,7 +310,8 @@ def _wrap_manager_for_policy(manager: Any, steering: Steering, block_size: int,
         finally:
             steering.ctx = prev
 
-    steering.recorder.fresh_observers.append(observe_admission)
+    if type(policy).on_request_started is not EvictionPolicy.on_request_started:
+        steering.recorder.fresh_observers.append(observe_admission)  # a policy that learns from admissions
     manager.free = kvfabric_policy_free
 
 
