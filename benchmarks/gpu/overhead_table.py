@@ -43,12 +43,25 @@ RUNS: dict[str, tuple[str, str]] = {
     "q05b-r3": ("Qwen2-0.5B shape, 5 rounds, revision a01d0ae, the engine slots reversed (plain last)",
                 "python3 benchmarks/gpu/h200_overhead.py --out /tmp/q6 --shape qwen2-0.5b --rounds 5 --scale 3 "
                 "--arms lru,kv_events,lru_nosink,plain"),
+    "q05b-r4": ("Qwen2-0.5B shape, 6 rounds, revision 049013f, the running arm pinned to cores 0-7 and idle arms and "
+                "the collector to cores 8-15 (`--pin`, the default since)",
+                "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r4 --shape qwen2-0.5b --rounds 6 --scale 3 "
+                "--arms plain,kv_events,lru,lru_nosink"),
+    "q05b-r5": ("Qwen2-0.5B shape, 6 rounds, revision 049013f, pinned, the engine slots reversed (plain last)",
+                "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r5 --shape qwen2-0.5b --rounds 6 --scale 3 "
+                "--arms lru,kv_events,lru_nosink,plain"),
+    "8b-r6": ("Llama-3-8B shape, 6 rounds, revision 049013f, pinned",
+              "python3 benchmarks/gpu/h200_overhead.py --out $OUT/8b-r6 --shape llama-3-8b --rounds 6 --scale 1.5 "
+              "--arms plain,kv_events,lru,lru_nosink"),
 }
 
 #: Runs of one revision and shape with the arms in opposite engine slots: taken together, the slot's effect cancels
 #: better (on the 0.5B shape, plain in the first slot beat every arm in every round, and in the last slot lost to
 #: them on average).
-POOLS: dict[str, tuple[str, ...]] = {"q05b-r2+r3": ("q05b-r2", "q05b-r3")}
+POOLS: dict[str, tuple[str, ...]] = {
+    "q05b-r2+r3": ("q05b-r2", "q05b-r3"),
+    "q05b-r4+r5 (pinned)": ("q05b-r4", "q05b-r5"),
+}
 
 ARM_TEXT = {
     "plain": "vLLM alone (plugin installed, no `KVFABRIC_*`)",
@@ -131,8 +144,11 @@ def main() -> int:
         "`max_num_seqs=64`, greedy) resident in its own process for the whole run, all started side by side; each",
         "round runs the same seeded `demo_workload` (scale given) once per arm, in an order that alternates between",
         "rounds, from an empty prefix cache. Wall = `llm.generate` of the whole workload. CPU seconds are per round",
-        "(psutil, user + system). Earlier results of `benchmarks/gpu/h200_engine.py` (one fresh engine per arm): ",
-        "`benchmarks/results/gpu_h200_engine.md`.",
+        "(psutil, user + system). Since q05b-r4 the arm that runs is pinned, with every thread of its process tree,",
+        "to cores 0-7 and every idle arm and the collector to cores 8-15 (`--pin`): before, where an engine's",
+        "processes happened to land moved whole arms by 20-40 % on the CPU-bound 0.5B shape (q05b-r2 against",
+        "q05b-r3, one revision in opposite slots). Earlier results of `benchmarks/gpu/h200_engine.py` (one fresh",
+        "engine per arm): `benchmarks/results/gpu_h200_engine.md`.",
         "",
     ]
     for run, (what, cmd) in RUNS.items():
