@@ -106,9 +106,18 @@ def test_index_evicts_descendants_first_whatever_the_keys() -> None:
 
 
 def test_heap_index_compacts_stale_entries() -> None:
-    """Blocks that fit no lane go to the heap, whose discarded entries are rebuilt away."""
-    owner = Owner(HeapIndex.LANES + 2)
-    index = HeapIndex(KeyFromTable(), owner, HeapIndex.LANES + 2)
+    """Blocks that fit no lane go to the heap, whose discarded entries are rebuilt away (memory stays O(held));
+    a lane's discarded blocks leave nothing behind."""
+    n = HeapIndex.LANES + 2
+    owner = Owner(n)
+    index = HeapIndex(KeyFromTable(), owner, n)
+    owner.table.hits[0], owner.table.hits[1] = 1, 2
+    index.add(0)
+    for _ in range(1000):
+        index.add(1)
+        index.discard(1)
+    assert [len(lane) for lane in index.lanes] == [1] and index.heap == []
+    index.discard(0)
     for b in range(HeapIndex.LANES):  # falling keys: one lane each, every lane's last key above what follows
         owner.table.hits[b] = 100 - b
         index.add(b)
@@ -117,10 +126,12 @@ def test_heap_index_compacts_stale_entries() -> None:
     owner.table.hits[last] = 1
     for _ in range(5000):
         index.add(last)
+        assert len(index.heap) <= 2 * index.in_heap + 65
         index.discard(last)
-    assert 0 < len(index.heap) <= 2 * index.in_heap + 65
+    assert index.heap
     index.add(last)
     assert [index.pop() for _ in range(HeapIndex.LANES + 1)] == [last, *reversed(range(HeapIndex.LANES))]
+    assert index.pop() is None and len(index) == 0
 
 
 @pytest.mark.parametrize("policy_cls", [KeyFromTable, SegmentFromTable])
