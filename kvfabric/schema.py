@@ -13,6 +13,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyarrow as pa
 
 SCHEMA_VERSION = 2
@@ -142,6 +144,14 @@ def hash64(block_hash: object) -> int | None:
     if inner is not None and inner is not block_hash:
         return hash64(getattr(inner, "hash_value", inner))
     return hash64(hash(block_hash))
+
+
+def hash64_all(block_hashes: Sequence[object]) -> list[int | None]:
+    """:func:`hash64` of each of ``block_hashes``, in one call (a record's worth on the hot path)."""
+    try:
+        return [int.from_bytes(h[:8], "little", signed=True) for h in block_hashes]  # type: ignore[index]
+    except TypeError:  # not all bytes (None: masked; an older vLLM's ints or tuples)
+        return [hash64(h) for h in block_hashes]
 
 
 def family_of_hash(h: int) -> str:

@@ -114,8 +114,8 @@ def _break_policy(method: str) -> Callable[[Installation], None]:
             raise RuntimeError(f"injected failure in {method}")
 
         setattr(policy, method, broken)
-        if method == "on_evicted":
-            inst.steering.on_evicted = broken  # type: ignore[union-attr]
+        if method == "on_evicted_all":
+            inst.steering.on_evicted = broken  # type: ignore[union-attr]  # bound when steering attached
 
     return inject
 
@@ -130,9 +130,9 @@ def _break_index(method: str) -> Callable[[Installation], None]:
     return inject
 
 
-@pytest.mark.parametrize("where", [
-    "key", "retain_score", "is_protected", "on_request_started", "on_evicted",
-    "index.add", "index.pop", "index.discard", "index.tick",
+@pytest.mark.parametrize("where", [  # what the hook calls: the per-call forms (keys, report, add_many, pop_n ...)
+    "keys", "report", "on_request_started", "on_evicted_all",
+    "index.add_many", "index.pop_n", "index.discard", "index.tick",
 ])
 def test_a_failing_policy_or_index_falls_back_to_vllms_order(where: str) -> None:
     inject = _break_index(where[6:]) if where.startswith("index.") else _break_policy(where)

@@ -29,6 +29,7 @@ from kvfabric.hook import records as R
 from kvfabric.side_table import ALL_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS, SideTable
 
 hash64 = S.hash64
+hash64_all = S.hash64_all
 
 
 class Lifecycle:
@@ -235,12 +236,12 @@ class Lifecycle:
         rows = self.rows
         lean = self.lean
         prev_id = -1 if prev is None or prev == null else prev
+        digests = hash64_all(raws)
         for j, b in enumerate(ids):
-            raw = raws[j]
-            if raw is None or b == null:  # masked (left uncached) or a null block: no life starts here
+            h = digests[j]
+            if h is None or b == null:  # masked (left uncached) or a null block: no life starts here
                 prev_id = -1 if b == null else b
                 continue
-            h = hash64(raw)
             parent: int | None = t.hash[prev_id] if prev_id >= 0 else None
             if parent is None and j == 0 and parent_raw is not None:
                 parent = hash64(parent_raw)

@@ -81,10 +81,11 @@ class Steering:
         self.errors = 0
         #: Whether events go out (lifecycle recording on): retain scores and protection are kept for them.
         self.reports = recorder.log is not None
-        # The policy's eviction observer, or None when it keeps the base class's no-op (saves a call per victim).
+        # The policy's eviction observer, or None when it keeps the base class's no-op (saves a call per eviction).
         self.on_evicted = (
-            policy.on_evicted
-            if policy is not None and type(policy).on_evicted is not EvictionPolicy.on_evicted
+            policy.on_evicted_all
+            if policy is not None and (type(policy).on_evicted is not EvictionPolicy.on_evicted
+                                       or type(policy).on_evicted_all is not EvictionPolicy.on_evicted_all)
             else None
         )
 
@@ -209,8 +210,8 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
                     unlink(self, blk)
                     out.append(blk)
                     taken.append(b)
-                    if on_evicted is not None:
-                        on_evicted(t, b, index.now)
+                if on_evicted is not None and taken:
+                    on_evicted(t, taken, index.now)
                 chosen += len(taken)
                 if st.reports:
                     score = t.score

@@ -167,6 +167,13 @@ class EvictionPolicy(ABC):
     def on_evicted(self, t: BlockStats, b: int, now: int) -> None:  # noqa: B027
         """Block ``b`` (still holding its statistics) is being evicted at ``now``."""
 
+    def on_evicted_all(self, t: BlockStats, ids: list[int], now: int) -> None:
+        """Blocks ``ids`` are being evicted together at ``now``: exactly :meth:`on_evicted` of each, in order. A
+        policy on the hot path may override it with one loop."""
+        on_evicted = self.on_evicted
+        for b in ids:
+            on_evicted(t, b, now)
+
     def describe(self) -> dict[str, Any]:
         """Settings worth recording with a run."""
         return {"policy": self.name}

@@ -238,11 +238,18 @@ class AdaptiveAgingPolicy(EvictionPolicy):
             self.promoted.add(h)
 
     def on_evicted(self, t: BlockStats, b: int, now: int) -> None:
-        h = t.hash[b]
-        if h is None:
-            return
-        self.promoted.discard(h)
-        (self.ghost_proven if self.proven_cls[b] else self.ghost_unproven).add(h)
+        self.on_evicted_all(t, [b], now)
+
+    def on_evicted_all(self, t: BlockStats, ids: list[int], now: int) -> None:
+        hashes = t.hash
+        promoted = self.promoted
+        proven_cls = self.proven_cls
+        proven, unproven = self.ghost_proven, self.ghost_unproven
+        for b in ids:
+            h = hashes[b]
+            if h is not None:
+                promoted.discard(h)
+                (proven if proven_cls[b] else unproven).add(h)
 
     def describe(self) -> dict[str, Any]:
         return {
