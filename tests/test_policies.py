@@ -135,7 +135,7 @@ def test_heap_index_compacts_stale_entries() -> None:
 
 
 @pytest.mark.parametrize("policy_cls", [KeyFromTable, SegmentFromTable])
-@settings(max_examples=int(__import__("os").environ.get("KVF_EXAMPLES", 200)), deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(parents=st.lists(st.integers(-1, 11), min_size=12, max_size=12),
        ops=st.lists(st.tuples(st.sampled_from(["add", "add", "discard", "pop"]), st.integers(0, 11),
                               st.integers(0, 40)), max_size=150))
