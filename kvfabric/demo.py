@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -216,7 +217,19 @@ def export_and_count(db: str, out: str, run_id: str) -> dict[str, int]:
     return {str(k): int(v) for k, v in rows}
 
 
+def _stop_on_sigterm() -> None:
+    """``kill`` (SIGTERM) stops the demo as Ctrl-C does: through ``finally``, which stops the collector. Without
+    this, SIGTERM would end the demo on the spot and leave its collector running, holding the database's lock."""
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):  # not the main thread (an embedding caller): its own signals stand
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def run(args: argparse.Namespace) -> int:
+    _stop_on_sigterm()
     db = os.path.abspath(args.db)
     run_id = args.run_id or f"demo-{args.policy}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     workdir = tempfile.mkdtemp(prefix="kvfabric-demo-")
