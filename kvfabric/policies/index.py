@@ -121,19 +121,20 @@ class VictimIndex(ABC):
             self.deferred[b] = False  # set aside: it is not in the ordering structure
         else:
             self._remove(b)
-        p = self.link[b]
-        if p >= 0:
-            # No longer held: its parent has one held child fewer (and goes back in place at none).
-            self.link[b] = -1
-            n = self.nkids[p] - 1
-            self.nkids[p] = n
-            if n == 0 and self.deferred[p]:
-                self._restore_deferred(p)
+        if self.link[b] >= 0:
+            self._unlink(b)
         return True
 
-    def _restore_deferred(self, p: int) -> None:
-        self.deferred[p] = False
-        self._restore(p)
+    def _unlink(self, b: int) -> None:
+        """``b`` (linked to a parent) is no longer held: the parent has one held child fewer, and a deferred
+        parent goes back in its place at none."""
+        p = self.link[b]
+        self.link[b] = -1
+        n = self.nkids[p] - 1
+        self.nkids[p] = n
+        if n == 0 and self.deferred[p]:
+            self.deferred[p] = False
+            self._restore(p)
 
     def pop(self) -> int | None:
         """Take the next victim (a held leaf), or None when nothing is held."""
@@ -158,13 +159,8 @@ class VictimIndex(ABC):
                 continue
             held[b] = False
             self.size -= 1
-            p = link[b]
-            if p >= 0:  # as in discard
-                link[b] = -1
-                k = nkids[p] - 1
-                nkids[p] = k
-                if k == 0 and self.deferred[p]:
-                    self._restore_deferred(p)
+            if link[b] >= 0:
+                self._unlink(b)
             out.append(b)
         return out
 
