@@ -118,18 +118,13 @@ def _kv_add_all(self: Any, blocks: list[Any]) -> None:
     if index is None:
         return
     try:
-        ids, keys = index.add_many([blk.block_id for blk in blocks if blk.block_hash is not None], st.ctx)
-        if not ids or not st.reports:
+        ids = [blk.block_id for blk in blocks if blk.block_hash is not None]
+        if not st.reports:
+            index.add_many(ids, st.ctx)
             return
-        t = index.owner.table
-        scores, flags = index.policy.report(t, ids, keys, index.now)
-        score = t.score
-        protected = t.protected
-        for b, sc, flag in zip(ids, scores, flags, strict=True):
-            score[b] = sc
-            protected[b] = flag
+        ids, scores, flags = index.add_reported(ids, st.ctx)
         r = st.recorder
-        if r.log is not None:
+        if ids and r.log is not None:
             r.log.append((R.SCORED, ids, scores, flags))
     except Exception:
         st.failed("add")

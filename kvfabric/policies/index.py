@@ -111,6 +111,22 @@ class VictimIndex(ABC):
         self._insert_many(ids, keys)
         return ids, keys
 
+    def add_reported(self, ids: list[int], ctx: RequestInfo | None = None) -> tuple[list[int], list[float],
+                                                                                 list[bool]]:
+        """:meth:`add_many`, then the policy's retain scores and protection flags of the blocks added, written to
+        the table's ``score`` / ``protected`` (what eviction reports read). Returns (blocks added, scores, flags)."""
+        ids, keys = self.add_many(ids, ctx)
+        if not ids:
+            return ids, [], []
+        t = self.owner.table
+        scores, flags = self.policy.report(t, ids, keys, self.now)
+        score = t.score
+        protected = t.protected
+        for b, sc, flag in zip(ids, scores, flags, strict=True):
+            score[b] = sc
+            protected[b] = flag
+        return ids, scores, flags
+
     def discard(self, b: int) -> bool:
         """Block ``b`` left the candidates (touched again, or no longer cached). Returns whether it was held."""
         if not self.held[b]:

@@ -289,8 +289,8 @@ class OfflineCache:
     def finish(self, slots: Sequence[int], info: RequestInfo | None = None) -> None:
         """Free a request's slots tail first (``KVCacheManager.free``); ``info`` is the context policies see."""
         t = self.owner.table
-        index = self.index
-        now = index.now
+        now = self.index.now
+        candidates: list[int] = []
         for pos in range(len(slots) - 1, -1, -1):
             s = slots[pos]
             self.ref[s] -= 1
@@ -300,9 +300,10 @@ class OfflineCache:
             if self.key_of[s] == -1:
                 self.uncached_free.append(s)
                 continue
-            key = index.add(s, info)
-            t.score[s] = self.policy.retain_score(key, now)
-            t.protected[s] = self.policy.is_protected(t, s, key, now)
+            candidates.append(s)
+        # One call for the free's candidates, in the same order, as the hook makes it. Releasing the whole request
+        # first changes no key: a release writes only its own block's ``last_use``.
+        self.index.add_reported(candidates, info)
 
 
 def simulate(
