@@ -134,6 +134,24 @@ def test_heap_index_compacts_stale_entries() -> None:
     assert index.pop() is None and len(index) == 0
 
 
+def test_a_run_stops_where_a_victim_puts_its_deferred_parent_back() -> None:
+    """A parent that reached the top with a held child was set aside; the child's leaving puts it back, ranked
+    before the rest of the run the child came in (same lane, taken in one call), so that rest waits for it."""
+    owner = Owner(3)
+    t = owner.table
+    child, other, parent = 0, 1, 2
+    for b in (child, other, parent):
+        t.hash[b] = 100 + b
+    t.parent_block[child], t.parent[child] = parent, 100 + parent
+    index = HeapIndex(KeyFromTable(), owner, 3)
+    for b, key in ((child, 10), (other, 11), (parent, 5)):  # adversarial: the parent's key is the lowest
+        t.hits[b] = key
+        index.add(b)
+    assert len(index.lanes) == 2  # child and other share a lane (rising keys): one run
+    assert index.pop_n(3) == [child, parent, other]
+    assert index.descents == 1 and index.restores == 1 and len(index) == 0
+
+
 @pytest.mark.parametrize("policy_cls", [KeyFromTable, SegmentFromTable])
 @settings(max_examples=200, deadline=None)
 @given(parents=st.lists(st.integers(-1, 11), min_size=12, max_size=12),
@@ -143,7 +161,7 @@ def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPoli
                                                    ops: list[tuple[str, int, int]]) -> None:
     """With parent links (random forests, keys in any order along a chain): ``pop`` returns the lowest (key,
     arrival) among held blocks none of whose held children link to them, keys clamped at add under a held parent's.
-    Exercises the heap's lanes (keys 0-40 in any order), its heap, and deferral."""
+    Exercises the heap's lanes (keys 0-40 in any order), its heap, deferral, and runs of several victims per call."""
     n = 12
     owner = Owner(n)
     t = owner.table
@@ -176,16 +194,18 @@ def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPoli
             model.pop(b, None)
             link.pop(b, None)
         else:
-            got = index.pop()
-            eligible = [x for x in model if not any(link.get(c) == x for c in model)]
-            if not model:
-                assert got is None
-            else:
+            # pop_n(1..4): runs taken in one call, the rest of a run put back when a victim frees a deferred parent
+            count = 1 + key % 4
+            got_n = index.pop_n(count)
+            want_n = []
+            while model and len(want_n) < count:
+                eligible = [x for x in model if not any(link.get(c) == x for c in model)]
                 assert eligible, "a forest always has a held leaf"
                 want = min(eligible, key=lambda x: (clamp(model[x][0]), model[x][1]))
-                assert got == want
+                want_n.append(want)
                 del model[want]
                 link.pop(want, None)
+            assert got_n == want_n
         assert len(index) == len(model)
         assert all((x in index) == (x in model) for x in range(n))
 

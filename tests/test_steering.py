@@ -306,6 +306,42 @@ def test_steering_survives_a_broken_side_table() -> None:
         manager.free(req)
     assert manager.block_pool.free_block_queue.num_free_blocks == 10
     assert steering.errors >= 1 and inst.recorder.errors == 1 and not inst.recorder.on
+    # The recorder stopped, so frees and touches go unseen: the index was dropped, vLLM's order took over.
+    assert steering.index is None
+
+
+def test_a_block_unlinked_behind_the_hooks_back_is_rekeyed_or_skipped() -> None:
+    """The index follows frees and touches through the recorder. A block some other path takes out of vLLM's list
+    (here: the list's own ``remove``, as touch does, but unrecorded) keeps a stale entry: freed again, it gets a
+    fresh one (a new key, last in order); reached while still in use, it is skipped and counted, never handed out."""
+    manager, inst, steering = make_manager(9, "adaptive_aging", anchor=0)
+    assert steering is not None and steering.index is not None
+    index = steering.index
+    pool = manager.block_pool
+    req = make_request("a", [3] * 16 * 4)
+    assert admit(manager, req) is not None
+    manager.free(req)
+    cached = [b for b in free_list(pool) if b.block_hash is not None]  # the eviction order: tail first
+    assert len(cached) == 4 and all(index.held[b.block_id] for b in cached)
+    first, *middle, root = cached
+
+    def unlink_unrecorded(blk: Any) -> None:
+        pool.free_block_queue.remove(blk)
+        blk.ref_cnt += 1
+
+    freed_at = index.now
+    unlink_unrecorded(root)
+    assert index.held[root.block_id] and index.keys[root.block_id] == freed_at  # stale
+    uncached = pool.get_num_free_blocks() - len(cached) + 1  # (the stray left the list)
+    taken = pool.get_new_blocks(uncached + 1)  # uncached blocks first, then the first victim
+    assert taken[-1] is first and index.now == freed_at + uncached + 1
+    pool.free_blocks([root])  # recorded: free again, so its stale entry is replaced
+    assert index.held[root.block_id] and index.keys[root.block_id] == index.now > freed_at
+    unlink_unrecorded(middle[0])
+    rest = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert middle[0] not in rest and steering.stale == 1
+    assert [b for b in rest if b in cached] == [middle[1], root]  # the replaced entry went last
+    assert steering.errors == 0 and inst.recorder.on
 
 
 class RootFirst(EvictionPolicy):

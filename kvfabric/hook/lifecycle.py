@@ -343,6 +343,20 @@ class StatisticsKeeper(Lifecycle):
             self._handlers[R.TOUCHED] = self._lean_touched
             self._handlers[R.FREED] = _nothing  # only ``last_use`` and the expander's ref counts move on a free
 
+    def follow(self, op: int, fn: Callable[[tuple], None]) -> None:
+        """After this keeper applies each ``op`` record, ``fn(record)`` sees it too (steering follows touches this
+        way: a touched block left vLLM's free list). ``fn`` handles its own errors."""
+        apply = self._handlers[op]
+        if apply is _nothing:  # (a lean keeper ignores frees: no call for it)
+            self._handlers[op] = fn
+            return
+
+        def both(rec: tuple) -> None:
+            apply(rec)
+            fn(rec)
+
+        self._handlers[op] = both
+
     def _lean_allocated(self, rec: tuple) -> None:
         self.table.forget_all(rec[4])  # a block still holding content was just evicted by vLLM to be reused
 

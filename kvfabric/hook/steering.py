@@ -4,11 +4,15 @@
 admission gate, or cache-aware scheduling. Plain ``lru`` never reaches this module, so vLLM's own order is
 untouched in that mode (docs/design.md §3).
 
-Eviction order: the functions of :data:`QUEUE_HOOKS` are bound onto the pool's ``free_block_queue`` *instance*
-(:func:`hook_queue`); vLLM's ``FreeKVCacheBlockQueue`` class is untouched. The doubly linked list stays the single
-truth about which blocks are free, in vLLM's order; the policy's :class:`~kvfabric.policies.index.VictimIndex`
-holds the cached free blocks in eviction order beside it. ``popleft_n`` (the only call ``get_new_blocks`` makes)
-hands out:
+Eviction order: the policy's :class:`~kvfabric.policies.index.VictimIndex` holds the cached free blocks in
+eviction order beside vLLM's free list, which stays the single truth about which blocks are free, in vLLM's order.
+The index follows the recorder's call records, as the statistics keeper does (applied on the scheduler thread right
+after each call, before any other pool call can run): a ``FREED`` record's blocks whose ref count reached 0 and
+that hold cached content become candidates, in the call's order (the order vLLM appends them to its list); a
+``TOUCHED`` record's blocks are in use again and leave (vLLM unlinked them from its list). Only the hand-out is
+hooked: the functions of :data:`QUEUE_HOOKS` are bound onto the pool's ``free_block_queue`` *instance*
+(:func:`hook_queue`); vLLM's ``FreeKVCacheBlockQueue`` class is untouched. ``popleft_n`` (the only call
+``get_new_blocks`` makes) hands out:
 
 1. uncached free blocks from the head of the list (vLLM prepends them there), then
 2. the policy's victims, each unlinked in O(1) through the list's own ``remove``, then
@@ -17,8 +21,15 @@ hands out:
 Readers of the list itself (``get_all_free_blocks``, ``iter_blocks_after`` as used by vLLM's simple CPU offload)
 still see vLLM's LRU order, not the policy's: the list is never reordered, only unlinked from.
 
+Following records rather than hooking the list's ``append_n`` / ``prepend_n`` / ``remove`` costs one call per vLLM
+call instead of a Python frame per block (``remove`` runs once per touched block, from ``BlockPool.touch``). Should
+some other path unlink a block, the index would hold a stale entry: ``popleft_n`` re-validates every candidate
+(counted in ``stale``), and a stale entry of a block freed again is replaced when it comes back. If the recorder
+stops (it failed), frees and touches are no longer seen, so the index is dropped and vLLM's order takes over
+(:meth:`Steering.stop_index`).
+
 Invariants (``tests/test_steering*.py`` checks them through vLLM's real BlockPool under random operations):
-  * the null block is never queued, hashed or freed (it never enters the list, so the index never sees it);
+  * the null block is never queued, hashed or freed (it is never sealed, so the index never takes it);
   * a block is in the free list exactly when its ref count is 0; the index only holds blocks that are in the list
     and hashed (every candidate is re-validated before it is handed out);
   * ``popleft_n(n)`` returns ``n`` blocks whenever ``n`` blocks are free: protection is an order, never a veto;
@@ -74,6 +85,7 @@ class Steering:
         self.gate: AnchorAdmissionGate | None = None
         self.hold: CacheAwareHold | None = None
         self.ctx: RequestInfo | None = None  # the request whose blocks vLLM is freeing right now
+        self.blocks: list[Any] = []  # the pool's blocks, by id
         self.victims = 0  # blocks the policy chose
         self.protected_victims = 0  # of which the policy had marked protected (it had nothing else left)
         self.fallbacks = 0  # blocks taken from the head because the index had none (reset, unpinned blocks)
@@ -95,10 +107,64 @@ class Steering:
         if self.errors == 1:
             log.exception("kvfabric: steering %s failed; eviction falls back to vLLM's order where needed", where)
 
+    def add(self, ids: list[int]) -> None:
+        """Blocks ``ids`` (cached, unreferenced) became candidates together, in this order; their scores go out in
+        one ``SCORED`` record when events are recorded."""
+        index = self.index
+        if index is None or not ids:
+            return
+        try:
+            if any(map(index.held.__getitem__, ids)):
+                # Blocks coming back to the list were not in it: an entry they still have is stale (see above).
+                index.discard_all(ids)
+            if not self.reports:
+                index.add_many(ids, self.ctx)
+                return
+            ids, scores, flags = index.add_reported(ids, self.ctx)
+            pending = self.recorder.log
+            if ids and pending is not None:
+                pending.append((R.SCORED, ids, scores, flags))
+        except Exception:
+            self.failed("add")
+
+    def freed(self, rec: tuple) -> None:
+        """A ``FREED`` record (the keeper follows them here): blocks whose last reference went and that hold cached
+        content (vLLM's own hash, the truth) become candidates (the null block never holds any)."""
+        if self.index is None:
+            return
+        try:
+            blocks = self.blocks
+            ids = [b for b, ref in zip(rec[4], rec[5], strict=True) if not ref and blocks[b].block_hash is not None]
+        except Exception:
+            self.failed("add")
+            return
+        self.add(ids)
+
+    def touched(self, rec: tuple) -> None:
+        """A ``TOUCHED`` record (the keeper follows them here): its blocks are in use again, no longer candidates."""
+        index = self.index
+        if index is None:
+            return
+        try:
+            index.discard_all(rec[4])
+        except Exception:
+            self.failed("discard")
+            self.stop_index()  # touched blocks may be left in it: it no longer tells what is free
+
+    def stop_index(self) -> None:
+        """The index can no longer be trusted (the recorder stopped, so touches go unseen; or a discard failed):
+        drop it, and vLLM's own order hands out every block from now on. Counted as an error, logged once."""
+        if self.index is None:
+            return
+        self.index = None
+        self.errors += 1
+        log.warning("kvfabric: steering's victim index stopped (%s); eviction follows vLLM's order",
+                    "the recorder stopped" if not self.recorder.on else "a discard failed")
+
 
 def hook_queue(queue: Any, steering: Steering, blocks: list[Any]) -> None:
     """Make ``queue`` (vLLM's free list) hand out the policy's victims: the functions of :data:`QUEUE_HOOKS` are
-    bound onto this one instance as attributes; each calls vLLM's own method through ``type(self)``. Not a
+    bound onto this one instance as attributes; they unlink through vLLM's own ``remove``. Not a
     subclass assigned to ``__class__``: on CPython 3.11 that turns the object's attributes into a plain dict, and
     vLLM's own list operations (``self.num_free_blocks`` ...) then run slower on every free, touch and allocation."""
     queue._kv_steering = steering
@@ -108,51 +174,6 @@ def hook_queue(queue: Any, steering: Steering, blocks: list[Any]) -> None:
 
 
 # ---- the free queue's methods (``self``: vLLM's FreeKVCacheBlockQueue instance; bound by hook_queue) ----
-# additions
-
-def _kv_add_all(self: Any, blocks: list[Any]) -> None:
-    """New candidates (in vLLM's order), added in one call; their scores go out in one record when events are
-    recorded."""
-    st = self._kv_steering
-    index = st.index
-    if index is None:
-        return
-    try:
-        ids = [blk.block_id for blk in blocks if blk.block_hash is not None]
-        if not st.reports:
-            index.add_many(ids, st.ctx)
-            return
-        ids, scores, flags = index.add_reported(ids, st.ctx)
-        r = st.recorder
-        if ids and r.log is not None:
-            r.log.append((R.SCORED, ids, scores, flags))
-    except Exception:
-        st.failed("add")
-
-def _append(self: Any, block: Any) -> None:
-    type(self).append(self, block)
-    self._kv_add_all([block])
-
-def _append_n(self: Any, blocks: list[Any]) -> None:
-    type(self).append_n(self, blocks)
-    self._kv_add_all(blocks)
-
-def _prepend_n(self: Any, blocks: list[Any]) -> None:
-    # vLLM prepends only uncached blocks; a cached one (not a vLLM path today) still becomes a candidate.
-    type(self).prepend_n(self, blocks)
-    self._kv_add_all(blocks)
-
-# removals
-
-def _remove(self: Any, block: Any) -> None:
-    type(self).remove(self, block)
-    index = self._kv_steering.index
-    if index is not None:
-        try:
-            index.discard(block.block_id)
-        except Exception:
-            self._kv_steering.failed("discard")
-
 def _popleft(self: Any) -> Any:
     if self.num_free_blocks <= 0:
         return type(self).popleft(self)  # raises vLLM's own error
@@ -163,6 +184,8 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
         return []
     assert self.num_free_blocks >= n  # vLLM's own precondition (get_new_blocks checks it first)
     st = self._kv_steering
+    if st.index is not None and not st.recorder.on:
+        st.stop_index()
     index = st.index
     head = self.fake_free_list_head
     tail = self.fake_free_list_tail
@@ -198,8 +221,9 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
                 taken: list[int] = []
                 for b in got:
                     blk = blocks[b]
-                    # Re-validate: only a block that is in the list, hashed and unreferenced may go.
-                    if blk.prev_free_block is None or blk.block_hash is None or blk.ref_cnt != 0:
+                    # Re-validate: only a block that is in the list (so unreferenced) may go. (One that lost
+                    # its hash meanwhile may go too: it is free, and its reuse evicts nothing.)
+                    if blk.prev_free_block is None or blk.ref_cnt != 0:
                         st.stale += 1
                         continue
                     unlink(self, blk)
@@ -246,11 +270,6 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
 
 
 QUEUE_HOOKS: dict[str, Callable[..., Any]] = {
-    "_kv_add_all": _kv_add_all,
-    "append": _append,
-    "append_n": _append_n,
-    "prepend_n": _prepend_n,
-    "remove": _remove,
     "popleft": _popleft,
     "popleft_n": _popleft_n,
 }
@@ -417,11 +436,14 @@ def attach_steering(
         clock.append(index)
         recorder.keeper = keeper
     steering = Steering(recorder, policy, index, keeper)
-    if policy is not None and index is not None:
+    if policy is not None and index is not None and keeper is not None:
         queue = pool.free_block_queue
         hook_queue(queue, steering, pool.blocks)
-        # Candidates already in the queue (a hook installed on a warm pool) become known to the index.
-        queue._kv_add_all(queue.get_all_free_blocks())
+        steering.blocks = pool.blocks
+        keeper.follow(R.FREED, steering.freed)
+        keeper.follow(R.TOUCHED, steering.touched)
+        # Cached blocks already free (a hook installed on a warm pool) become candidates, in the list's order.
+        steering.add([blk.block_id for blk in queue.get_all_free_blocks() if blk.block_hash is not None])
         _wrap_manager_for_policy(manager, steering, block_size, info_of)
     if settings.admission_gate_on:
         steering.gate = AnchorAdmissionGate(settings.admission_anchor_blocks)

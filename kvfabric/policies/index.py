@@ -58,6 +58,7 @@ class VictimIndex(ABC):
         self.nkids = [0] * num_blocks
         self.deferred = [False] * num_blocks
         self.descents = 0  # times a block reached the top with held children and was set aside (diagnostics)
+        self.restores = 0  # deferred blocks put back (a run taken before one may no longer be in order)
         policy.bind(num_blocks)
         policy.bind_index(self)
 
@@ -141,6 +142,14 @@ class VictimIndex(ABC):
             self._unlink(b)
         return True
 
+    def discard_all(self, ids: list[int]) -> None:
+        """:meth:`discard` of each of ``ids`` (blocks in use again: a prefix-cache hit touched them)."""
+        held = self.held
+        discard = self.discard
+        for b in ids:
+            if held[b]:
+                discard(b)
+
     def _unlink(self, b: int) -> None:
         """``b`` (linked to a parent) is no longer held: the parent has one held child fewer, and a deferred
         parent goes back in its place at none."""
@@ -150,6 +159,7 @@ class VictimIndex(ABC):
         self.nkids[p] = n
         if n == 0 and self.deferred[p]:
             self.deferred[p] = False
+            self.restores += 1
             self._restore(p)
 
     def pop(self) -> int | None:
@@ -159,25 +169,34 @@ class VictimIndex(ABC):
 
     def pop_n(self, n: int) -> list[int]:
         """Take up to ``n`` victims, lowest key first (ties: earliest added), never a block with held children;
-        fewer only when fewer are held."""
+        fewer only when fewer are held.
+
+        The structure hands out *runs* (:meth:`_take_run`): blocks it knows to come next in order, taken in one
+        call. A victim's leaving may put a deferred parent back (its last held child left); the parent may rank
+        before the rest of the run, so that rest goes back (:meth:`_put_back`) and the next run is taken afresh."""
         out: list[int] = []
         nkids = self.nkids
         held = self.held
         link = self.link
-        take = self._take_min
+        deferred = self.deferred
         while len(out) < n:
-            b = take()
-            if b is None:
+            run = self._take_run(n - len(out))
+            if not run:
                 break
-            if nkids[b]:
-                self.deferred[b] = True  # back in its place when its last held child leaves
-                self.descents += 1
-                continue
-            held[b] = False
-            self.size -= 1
-            if link[b] >= 0:
-                self._unlink(b)
-            out.append(b)
+            restores = self.restores
+            for i, b in enumerate(run):
+                if nkids[b]:
+                    deferred[b] = True  # back in its place when its last held child leaves
+                    self.descents += 1
+                    continue
+                held[b] = False
+                self.size -= 1
+                out.append(b)
+                if link[b] >= 0:
+                    self._unlink(b)
+                    if self.restores != restores:
+                        self._put_back(run[i + 1:])
+                        break
         return out
 
     def clear(self) -> None:
@@ -197,6 +216,18 @@ class VictimIndex(ABC):
     def _take_min(self) -> int | None:
         """Take the block with the lowest key (ties: earliest added) out of the ordering structure (the caller
         decides whether it leaves or is deferred), or None when the structure is empty."""
+
+    def _take_run(self, limit: int) -> list[int]:
+        """Take up to ``limit`` (>= 1) blocks that come next in order, lowest first, out of the ordering structure;
+        empty when it is empty. Default: one block, :meth:`_take_min`."""
+        b = self._take_min()
+        return [] if b is None else [b]
+
+    def _put_back(self, run: list[int]) -> None:
+        """Undo :meth:`_take_run` for ``run`` (a tail of what it returned, not yet handed out): same keys, same
+        arrivals. Default: through :meth:`_restore` (what a deferred block takes)."""
+        for b in run:
+            self._restore(b)
 
     @abstractmethod
     def _restore(self, b: int) -> None:
@@ -368,6 +399,52 @@ class HeapIndex(VictimIndex):
             heapq.heappop(heap)
             self.in_heap -= 1
         return best
+
+    def _take_run(self, limit: int) -> list[int]:
+        # The least of the lanes' heads and the heap's top; from a lane, its following blocks too while they stay
+        # below every other head (a lane is in order, so they come next).
+        heap = self.heap
+        entry = self.entry
+        while heap and entry[heap[0][2]] != heap[0][1]:
+            heapq.heappop(heap)
+        keys = self.keys
+        best = -1
+        lane = -1
+        best_key = best_arrival = 0.0
+        if heap:
+            best_key, best_arrival, best = heap[0]
+        # (bound_key, bound_arrival): the second least head, above which a lane's run stops.
+        bound_key = bound_arrival = _INF
+        for i, seg in enumerate(self.lanes):
+            if seg:
+                b = next(iter(seg))
+                k = keys[b]
+                a = entry[b]
+                if best < 0 or k < best_key or (k == best_key and a < best_arrival):
+                    if best >= 0:
+                        bound_key, bound_arrival = best_key, best_arrival
+                    best, best_key, best_arrival, lane = b, k, a, i
+                elif k < bound_key or (k == bound_key and a < bound_arrival):
+                    bound_key, bound_arrival = k, a
+        if best < 0:
+            return []
+        if lane < 0:
+            heapq.heappop(heap)
+            self.in_heap -= 1
+            return [best]
+        seg = self.lanes[lane]
+        run = [best]
+        seg.popitem(last=False)
+        while len(run) < limit and seg:
+            b = next(iter(seg))
+            k = keys[b]
+            if k > bound_key or (k == bound_key and entry[b] > bound_arrival):
+                break
+            seg.popitem(last=False)
+            run.append(b)
+        if not seg:
+            self.tails[lane] = -_INF
+        return run
 
     def _restore(self, b: int) -> None:
         # To the heap, whatever it came from: its lane may have emptied and taken smaller keys since (rare path).
