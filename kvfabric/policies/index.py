@@ -371,34 +371,8 @@ class HeapIndex(VictimIndex):
             self.in_heap -= 1
 
     def _take_min(self) -> int | None:
-        heap = self.heap
-        entry = self.entry
-        while heap and entry[heap[0][2]] != heap[0][1]:
-            heapq.heappop(heap)
-        keys = self.keys
-        best = -1
-        best_key = 0.0
-        best_arrival = 0
-        if heap:
-            best_key, best_arrival, best = heap[0]
-        lane = -1
-        for i, seg in enumerate(self.lanes):
-            if seg:
-                b = next(iter(seg))
-                k = keys[b]
-                if best < 0 or k < best_key or (k == best_key and entry[b] < best_arrival):
-                    best, best_key, best_arrival, lane = b, k, entry[b], i
-        if best < 0:
-            return None
-        if lane >= 0:
-            seg = self.lanes[lane]
-            seg.popitem(last=False)
-            if not seg:
-                self.tails[lane] = -_INF
-        else:
-            heapq.heappop(heap)
-            self.in_heap -= 1
-        return best
+        run = self._take_run(1)
+        return run[0] if run else None
 
     def _take_run(self, limit: int) -> list[int]:
         # The least of the lanes' heads and the heap's top; from a lane, its following blocks too while they stay
