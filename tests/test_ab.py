@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvfabric.bench import report
 from kvfabric.bench.report import NO_CALL, family_kind, verdict
 from kvfabric.bench.stats import percentile, spread
 from kvfabric.cli import main as cli_main
@@ -169,3 +170,23 @@ def test_ab_refuses_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert cli_main(["ab", "--scenario", "smoke", "--serve-cmd", "vllm serve --port {prot}"]) == 2
     assert "placeholder" in capsys.readouterr().err
     assert cli_main(["ab", "--report-only", "--out", str(tmp_path)]) == 2
+
+
+GPU_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu" / "ab" / "run"
+
+
+@pytest.mark.parametrize(("scenario", "says"), [
+    ("ordinary_unique_cold", "No prefix-cache hits in these runs"),
+    ("template_family_revisit", "Over all runs the server told the client 332,640 cached prompt tokens"),
+])
+def test_the_agreement_section_tells_no_hits_from_missing_usage(scenario: str, says: str) -> None:
+    """The H200 A/B's saved runs (real vLLM 0.26 servers): with no hits on either side the report says so, and
+    blames no missing server flag; with hits it compares the two counts."""
+    result = report.build(GPU_AB / scenario)
+    text = report.render_markdown(result, {})
+    assert says in text
+    assert "needs `--enable-prompt-tokens-details`" not in text and "reports them with" not in text
+    # The hint stays for what it is for: hits the collector saw but the server did not report.
+    result["agreement"].update(client_cached_tokens=0, relative_difference=None, collector_hit_tokens=4096)
+    assert "collector counted 4,096 hit tokens (vLLM reports them with `--enable-prompt-tokens-details`)" in \
+        report.render_markdown(result, {})

@@ -407,8 +407,13 @@ def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
     j = a["join"]
     w.append("## Cached tokens: client vs collector")
     w.append("")
-    if a["relative_difference"] is None:
-        w.append("The server reported no cached tokens to the client (vLLM needs `--enable-prompt-tokens-details`).")
+    if a["relative_difference"] is None and not a["collector_hit_tokens"]:
+        w.append("No prefix-cache hits in these runs: the server reported no cached tokens to the client and the "
+                 "collector counted no hit tokens (nothing to compare).")
+    elif a["relative_difference"] is None:
+        w.append(f"The server reported no cached tokens to the client while the collector counted "
+                 f"{a['collector_hit_tokens']:,} hit tokens (vLLM reports them with "
+                 "`--enable-prompt-tokens-details`).")
     else:
         w.append(
             f"Over all runs the server told the client {a['client_cached_tokens']:,} cached prompt tokens "
