@@ -21,8 +21,10 @@ hooked: the functions of :data:`QUEUE_HOOKS` are bound onto the pool's ``free_bl
 Readers of the list itself (``get_all_free_blocks``, ``iter_blocks_after`` as used by vLLM's simple CPU offload)
 still see vLLM's LRU order, not the policy's: the list is never reordered, only unlinked from.
 
-Following records rather than hooking the list's ``append_n`` / ``prepend_n`` / ``remove`` costs one call per vLLM
-call instead of a Python frame per block (``remove`` runs once per touched block, from ``BlockPool.touch``). Should
+Following records rather than hooking the list's ``append_n`` / ``prepend_n`` / ``remove`` is one call per vLLM
+call instead of a Python frame per block (``remove`` runs once per touched block, from ``BlockPool.touch``); the
+scheduler's time did not measurably change with it (the index's own work is the cost), but fewer of vLLM's methods
+are replaced. Should
 some other path unlink a block, the index would hold a stale entry: ``popleft_n`` re-validates every candidate
 (counted in ``stale``), and a stale entry of a block freed again is replaced when it comes back. If the recorder
 stops (it failed), frees and touches are no longer seen, so the index is dropped and vLLM's order takes over
@@ -30,8 +32,8 @@ stops (it failed), frees and touches are no longer seen, so the index is dropped
 
 Invariants (``tests/test_steering*.py`` checks them through vLLM's real BlockPool under random operations):
   * the null block is never queued, hashed or freed (it is never sealed, so the index never takes it);
-  * a block is in the free list exactly when its ref count is 0; the index only holds blocks that are in the list
-    and hashed (every candidate is re-validated before it is handed out);
+  * a block is in the free list exactly when its ref count is 0; along vLLM's own paths the index only holds
+    blocks that are in the list (and every candidate is re-validated before it is handed out);
   * ``popleft_n(n)`` returns ``n`` blocks whenever ``n`` blocks are free: protection is an order, never a veto;
   * every block handed out still goes through vLLM's ``get_new_blocks``, which removes its hashes before reuse;
   * descendants leave before ancestors (the index's rule) where the policy reorders;
@@ -42,7 +44,8 @@ applies the recorder's call records as they are made (the same side-table code t
 ``last_use`` on the index's logical clock.
 
 Request context: the free wrapper puts the freeing request's :class:`~kvfabric.policies.base.RequestInfo` where
-the queue finds it while vLLM appends that request's blocks, and the index passes it to the policy's key.
+:meth:`Steering.freed` finds it when that free's ``FREED`` record arrives, and the index passes it to the policy's
+key.
 
 Admission: :class:`~kvfabric.policies.admission.AnchorAdmissionGate` on ``recorder.gate``; install.py passes its
 mask to ``cache_full_blocks``.
