@@ -24,11 +24,10 @@ still see vLLM's LRU order, not the policy's: the list is never reordered, only 
 Following records rather than hooking the list's ``append_n`` / ``prepend_n`` / ``remove`` is one call per vLLM
 call instead of a Python frame per block (``remove`` runs once per touched block, from ``BlockPool.touch``); the
 scheduler's time did not measurably change with it (the index's own work is the cost), but fewer of vLLM's methods
-are replaced. Should
-some other path unlink a block, the index would hold a stale entry: ``popleft_n`` re-validates every candidate
-(counted in ``stale``), and a stale entry of a block freed again is replaced when it comes back. If the recorder
-stops (it failed), frees and touches are no longer seen, so the index is dropped and vLLM's order takes over
-(:meth:`Steering.stop_index`).
+are replaced. Should some other path unlink a block, the index would hold a stale entry: ``popleft_n`` re-validates
+every candidate (counted in ``stale``), and a stale entry of a block freed again is replaced when it comes back. If
+the recorder stops (it failed), frees and touches are no longer seen, so the index is dropped and vLLM's order takes
+over (:meth:`Steering.stop_index`).
 
 Invariants (``tests/test_steering*.py`` checks them through vLLM's real BlockPool under random operations):
   * the null block is never queued, hashed or freed (it is never sealed, so the index never takes it);
