@@ -24,6 +24,7 @@ from kvfabric import protocol as P
 from kvfabric import schema as S
 from kvfabric.hook import forwarder
 from kvfabric.hook.buffer import EventBuffer
+from kvfabric.hook.ring import W_ACCOUNTED, Ring
 from kvfabric.hook.sinks import JsonlSink, UnixArrowSink
 
 
@@ -266,6 +267,29 @@ def test_written_but_unacknowledged_rows_are_not_accounted(tmp_path: Path) -> No
     sink.close(timeout=1.0)
     assert sink.lost_events == 50 and forwarder.accounted(sink) == 0
     server.close()
+
+
+def test_acknowledged_batches_reach_the_rings_header_while_the_forwarder_is_busy(tmp_path: Path) -> None:
+    """The parent counts a dead forwarder's loss as expanded minus what the ring's header says is accounted. The
+    forwarder's main loop publishes that count only when it idles; while it is busy (never idle), every batch the
+    collector acknowledges must reach the header from the sink's own thread, or a killed forwarder's committed
+    events would be counted lost. Nothing here calls the publisher: only acknowledgements move the header."""
+    path = str(tmp_path / "a.sock")
+    server = StreamServer(path)
+    ring = Ring.create(1 << 12)
+    buffer = EventBuffer(capacity=10_000, wake_at=10)
+    sink = make_sink(path, buffer, batch=10)
+    forwarder.publish_accounting(ring, sink)
+    sink.start()
+    try:
+        for i in range(50):
+            buffer.append(row(i))
+        wait_for(lambda: ring.word(W_ACCOUNTED) == 50)
+        assert forwarder.accounted(sink) == 50
+    finally:
+        sink.close()
+        server.close()
+        ring.close()
 
 
 def test_the_replay_buffer_is_bounded_and_the_hook_buffer_absorbs(tmp_path: Path) -> None:

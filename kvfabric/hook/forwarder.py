@@ -23,7 +23,9 @@ import logging
 import marshal
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 from kvfabric.hook.buffer import EventBuffer
 from kvfabric.hook.outlets import lifecycle_from_metadata
@@ -41,6 +43,22 @@ def accounted(sink: Sink) -> int:
     if callable(fn):
         return int(fn())
     return sink.sent_events + sink.reported_lost
+
+
+def publish_accounting(ring: Ring, sink: Sink) -> Callable[[], None]:
+    """Publish in the ring's header how many events ``sink`` has accounted for: after every batch it delivers (from
+    its thread, ``Sink.on_progress``) and whenever the returned function is called (the main loop). A forwarder
+    killed while busy, its loop never idle, then leaves its parent a count that is at most one unacknowledged
+    window behind, so events the collector committed are not counted lost. The lock keeps each read of the count
+    and its write together, so the two threads never publish an older count over a newer one."""
+    lock = threading.Lock()
+
+    def publish() -> None:
+        with lock:
+            ring.set_word(W_ACCOUNTED, accounted(sink))
+
+    sink.on_progress = publish
+    return publish
 
 
 def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: int, flush_ms: int,
@@ -61,13 +79,14 @@ def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: 
     else:
         sink = UnixArrowSink(sink_spec[len("unix://"):], buffer, metadata, dropped_row,
                              batch_events=batch_events, flush_ms=flush_ms)
+    publish = publish_accounting(ring, sink)
     sink.start()
     undecodable = 0
     try:
         while True:
             data = ring.read()
             if data is None:
-                ring.set_word(W_ACCOUNTED, accounted(sink))
+                publish()
                 if ring.word(W_CLOSING) or os.getppid() != parent:
                     break  # drained: the parent is closing, or gone
                 time.sleep(POLL_S)
@@ -83,13 +102,13 @@ def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: 
             # Backpressure, never a second place that drops: while the collector is slow or away, stop reading.
             # The ring fills, and the parent counts what it cannot hand over.
             while len(buffer) > buffer_events:
-                ring.set_word(W_ACCOUNTED, accounted(sink))
+                publish()
                 if os.getppid() != parent and ring.word(W_CLOSING) == 0:
                     break
                 time.sleep(0.01)
     finally:
         sink.close(timeout=30.0)
-        ring.set_word(W_ACCOUNTED, accounted(sink))
+        publish()
     return 0
 
 
