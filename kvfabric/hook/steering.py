@@ -164,13 +164,12 @@ class Steering:
                     "the recorder stopped" if not self.recorder.on else "a discard failed")
 
 
-def hook_queue(queue: Any, steering: Steering, blocks: list[Any]) -> None:
+def hook_queue(queue: Any, steering: Steering) -> None:
     """Make ``queue`` (vLLM's free list) hand out the policy's victims: the functions of :data:`QUEUE_HOOKS` are
     bound onto this one instance as attributes; they unlink through vLLM's own ``remove``. Not a
     subclass assigned to ``__class__``: on CPython 3.11 that turns the object's attributes into a plain dict, and
     vLLM's own list operations (``self.num_free_blocks`` ...) then run slower on every free, touch and allocation."""
     queue._kv_steering = steering
-    queue._kv_blocks = blocks
     for name, fn in QUEUE_HOOKS.items():
         setattr(queue, name, types.MethodType(fn, queue))
 
@@ -212,7 +211,7 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
     top_score: float | None = None
     any_protected = False
     if len(out) < n and index is not None:
-        blocks = self._kv_blocks
+        blocks = st.blocks
         on_evicted = st.on_evicted
         try:
             t = index.owner.table
@@ -440,8 +439,8 @@ def attach_steering(
     steering = Steering(recorder, policy, index, keeper)
     if policy is not None and index is not None and keeper is not None:
         queue = pool.free_block_queue
-        hook_queue(queue, steering, pool.blocks)
         steering.blocks = pool.blocks
+        hook_queue(queue, steering)
         keeper.follow(R.FREED, steering.freed)
         keeper.follow(R.TOUCHED, steering.touched)
         # Cached blocks already free (a hook installed on a warm pool) become candidates, in the list's order.

@@ -213,15 +213,10 @@ class VictimIndex(ABC):
         """Take held block ``b`` out of the ordering structure."""
 
     @abstractmethod
-    def _take_min(self) -> int | None:
-        """Take the block with the lowest key (ties: earliest added) out of the ordering structure (the caller
-        decides whether it leaves or is deferred), or None when the structure is empty."""
-
     def _take_run(self, limit: int) -> list[int]:
-        """Take up to ``limit`` (>= 1) blocks that come next in order, lowest first, out of the ordering structure;
-        empty when it is empty. Default: one block, :meth:`_take_min`."""
-        b = self._take_min()
-        return [] if b is None else [b]
+        """Take the block with the lowest key (ties: earliest added) out of the ordering structure, and up to
+        ``limit`` (>= 1) in all of those that come right after it in order, lowest first (the caller decides
+        whether each leaves or is deferred); empty when the structure is empty."""
 
     def _put_back(self, run: list[int]) -> None:
         """Undo :meth:`_take_run` for ``run`` (a tail of what it returned, not yet handed out): same keys, same
@@ -273,7 +268,8 @@ class SegmentedIndex(VictimIndex):
         else:
             del self.segments[self.segment_of[b]][b]
 
-    def _take_min(self) -> int | None:
+    def _take_run(self, limit: int) -> list[int]:
+        # One block at a time: a segment's FIFO order can interleave with the restored blocks' heap.
         restored = self.restored
         while restored and not self.is_restored[restored[0][2]]:
             heapq.heappop(restored)
@@ -283,12 +279,12 @@ class SegmentedIndex(VictimIndex):
                 if restored and restored[0][:2] < (s, self.entry[b]):
                     break
                 seg.popitem(last=False)
-                return b
+                return [b]
         if restored:
             b = heapq.heappop(restored)[2]
             self.is_restored[b] = False
-            return b
-        return None
+            return [b]
+        return []
 
     def _restore(self, b: int) -> None:
         self.is_restored[b] = True
@@ -369,10 +365,6 @@ class HeapIndex(VictimIndex):
         else:
             self.entry[b] = 0
             self.in_heap -= 1
-
-    def _take_min(self) -> int | None:
-        run = self._take_run(1)
-        return run[0] if run else None
 
     def _take_run(self, limit: int) -> list[int]:
         # The least of the lanes' heads and the heap's top; from a lane, its following blocks too while they stay
