@@ -18,10 +18,11 @@ Invariants:
   * ``users`` remembers at most :data:`MAX_USERS` request ids per block; beyond that ``share`` counts changes of
     user (a bound on memory, not an approximation in practice: blocks shared by more than 8 live requests are
     already anchors);
-  * the *lean* operations (:meth:`seal_lean`, :meth:`hit_all`, :meth:`forget_all`) keep only :data:`LEAN_COLUMNS`,
-    for a policy inside vLLM that reads nothing else (``EvictionPolicy.reads``): for every block holding content
-    (``hash`` set), those columns equal what the full operations would hold; a block without content keeps stale
-    values in them, which nothing reads (a policy keys cached blocks only, and the victim index checks ``hash``).
+  * the *lean* operations (:meth:`seal_run_lean`, :meth:`hit_all`, :meth:`forget_all`) keep only
+    :data:`LEAN_COLUMNS`, for a policy inside vLLM that reads nothing else (``EvictionPolicy.reads``): for every
+    block holding content (``hash`` set), those columns equal what the full operations would hold; a block without
+    content keeps stale values in them, which nothing reads (a policy keys cached blocks only, and the victim index
+    checks ``hash``).
 """
 
 from __future__ import annotations
@@ -141,13 +142,30 @@ class SideTable:
 
     # ---- the lean operations (LEAN_COLUMNS only; see the module docstring) ---------------------------------------
 
-    def seal_lean(self, b: int, h: int, parent_hash: int | None, parent_block: int, depth: int) -> None:
-        """:meth:`seal`, keeping the lean columns only."""
-        self.hash[b] = h
-        self.parent[b] = parent_hash
-        self.parent_block[b] = parent_block
-        self.depth[b] = depth
-        self.hits[b] = 0
+    def seal_run_lean(self, ids: list[int], digests: list[int | None], parent_hash: int | None, prev: int,
+                      start: int, null_block: int) -> None:
+        """:meth:`seal` of a sealing call's blocks, keeping the lean columns only: ``ids`` (digests ``digests``;
+        ``None``: left uncached), the first at depth ``start`` under block ``prev`` (-1: none) holding
+        ``parent_hash``, each next one under the one before it (the null block breaks the chain). One call per
+        record: on vLLM's scheduler thread a Python call per block costs more than its writes."""
+        hashes = self.hash
+        parent = self.parent
+        parent_block = self.parent_block
+        depth = self.depth
+        hits = self.hits
+        for j, b in enumerate(ids):
+            h = digests[j]
+            if h is None or b == null_block:  # masked (left uncached) or a null block: no life starts here
+                prev = -1 if b == null_block else b
+                parent_hash = hashes[prev] if prev >= 0 else None
+                continue
+            hashes[b] = h
+            parent[b] = parent_hash
+            parent_block[b] = prev
+            depth[b] = start + j
+            hits[b] = 0
+            prev = b
+            parent_hash = h
 
     def hit_all(self, ids: list[int], null_block: int) -> None:
         """:meth:`touch` of each of ``ids`` (the null block aside), keeping the lean columns only."""
@@ -158,7 +176,8 @@ class SideTable:
 
     def forget_all(self, ids: list[int]) -> None:
         """:meth:`reset` of each of ``ids`` that holds content, keeping the lean columns only: the content is gone,
-        and the other lean columns are rewritten by the block's next :meth:`seal_lean` before anything reads them."""
+        and the other lean columns are rewritten by the block's next :meth:`seal_run_lean` before anything reads
+        them."""
         hashes = self.hash
         for b in ids:
             hashes[b] = None

@@ -132,7 +132,7 @@ def _break_index(method: str) -> Callable[[Installation], None]:
 
 @pytest.mark.parametrize("where", [  # what the hook calls: the per-call forms (keys, report, add_many, pop_n ...)
     "keys", "report", "on_request_started", "on_evicted_all",
-    "index.add_many", "index.pop_n", "index.discard", "index.tick",
+    "index.add_many", "index.pop_n", "index.discard_all",
 ])
 def test_a_failing_policy_or_index_falls_back_to_vllms_order(where: str) -> None:
     inject = _break_index(where[6:]) if where.startswith("index.") else _break_policy(where)

@@ -152,16 +152,40 @@ def test_a_run_stops_where_a_victim_puts_its_deferred_parent_back() -> None:
     assert index.descents == 1 and index.restores == 1 and len(index) == 0
 
 
+@pytest.mark.parametrize("index_cls", [HeapIndex, SegmentedIndex])
+def test_a_deferred_parent_comes_back_when_its_last_child_is_touched(index_cls: type) -> None:
+    """A parent set aside (it reached the top with held children) returns to its place when its last held child
+    leaves by a touch (``discard_all``: one call for a touch's blocks) rather than as a victim."""
+    owner = Owner(4)
+    t = owner.table
+    parent, kid1, kid2, other = 0, 1, 2, 3
+    for b in (parent, kid1, kid2, other):
+        t.hash[b] = 100 + b
+    for kid in (kid1, kid2):
+        t.parent_block[kid], t.parent[kid] = parent, 100 + parent
+    index = index_cls(KeyFromTable() if index_cls is HeapIndex else SegmentFromTable(), owner, 4)
+    for b, key in ((kid1, 2), (kid2, 2), (parent, 0), (other, 1)):  # adversarial: the parent's key is the lowest
+        t.hits[b] = key
+        index.add(b)
+    assert index.pop() == other  # the parent reached the top first and was set aside: its children are held
+    assert index.descents == 1 and index.deferred[parent]
+    index.discard_all([kid1, kid2])  # a prefix hit takes both children back into use
+    assert not index.deferred[parent] and index.restores == 1
+    assert index.pop() == parent and index.pop() is None and len(index) == 0
+
+
 @pytest.mark.parametrize("policy_cls", [KeyFromTable, SegmentFromTable])
 @settings(max_examples=200, deadline=None)
 @given(parents=st.lists(st.integers(-1, 11), min_size=12, max_size=12),
-       ops=st.lists(st.tuples(st.sampled_from(["add", "add", "discard", "pop"]), st.integers(0, 11),
-                              st.integers(0, 40)), max_size=150))
+       ops=st.lists(st.tuples(st.sampled_from(["add", "add", "chain", "discard", "unchain", "pop"]),
+                              st.integers(0, 11), st.integers(0, 40)), max_size=150))
 def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPolicy], parents: list[int],
                                                    ops: list[tuple[str, int, int]]) -> None:
     """With parent links (random forests, keys in any order along a chain): ``pop`` returns the lowest (key,
     arrival) among held blocks none of whose held children link to them, keys clamped at add under a held parent's.
-    Exercises the heap's lanes (keys 0-40 in any order), its heap, deferral, and runs of several victims per call."""
+    Exercises the heap's lanes (keys 0-40 in any order), its heap, deferral, and runs of several victims per call.
+    ``chain`` adds a block and its ancestors in one call, tail first (how vLLM frees a request's blocks: the bulk
+    path of ``add_many``), ``unchain`` discards them in one call: both mean the same as one block at a time."""
     n = 12
     owner = Owner(n)
     t = owner.table
@@ -175,24 +199,39 @@ def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPoli
     model: dict[int, tuple[float, int]] = {}
     link: dict[int, int] = {}
     arrival = 0
+    def chain_of(b: int) -> list[int]:
+        out = [b]
+        while t.parent_block[out[-1]] >= 0:
+            out.append(t.parent_block[out[-1]])
+        return out
+
     for op, b, key in ops:
-        if op == "add":
-            t.hits[b] = key
-            got = index.add(b)
-            if b not in model:
-                k = float(key)
-                p = t.parent_block[b]
+        if op in ("add", "chain"):
+            ids = [b] if op == "add" else chain_of(b)
+            for depth, x in enumerate(ids):
+                t.hits[x] = (key + 17 * depth) % 41  # keys in any order along the chain
+            added, keys = index.add_many(ids)
+            want_added = [x for x in ids if x not in model]
+            for x in want_added:
+                k = float(t.hits[x])
+                p = t.parent_block[x]
                 if p >= 0:
-                    link[b] = p
+                    link[x] = p
                     if p in model and model[p][0] < k:
                         k = model[p][0]
                 arrival += 1
-                model[b] = (k, arrival)
-            assert got == model[b][0]
-        elif op == "discard":
-            assert index.discard(b) == (b in model)
-            model.pop(b, None)
-            link.pop(b, None)
+                model[x] = (k, arrival)
+            assert added == want_added
+            assert keys == [model[x][0] for x in want_added]
+        elif op in ("discard", "unchain"):
+            ids = [b] if op == "discard" else chain_of(b)
+            if op == "discard":
+                assert index.discard(b) == (b in model)
+            else:
+                index.discard_all(ids)
+            for x in ids:
+                model.pop(x, None)
+                link.pop(x, None)
         else:
             # pop_n(1..4): runs taken in one call, the rest of a run put back when a victim frees a deferred parent
             count = 1 + key % 4

@@ -274,6 +274,20 @@ def test_ranked_policy_reports_scores_bounded() -> None:
     assert len(ranked) <= len(evicted)  # one event per allocation call, not one per candidate
     assert sum(e["count"] for e in ranked) == len(evicted)
     assert all(e["retain_score"] is not None for e in evicted)
+    # Each ranking summarises its victims (the evictions of the allocation right after it): the best retain score
+    # among them, and whether any was protected.
+    scores = {e["retain_score"] for e in evicted}
+    assert len(scores) > 1  # (so that the highest one means something)
+    summaries = []
+    for e in ev:
+        if e["event"] == S.EVICTION_CANDIDATES_RANKED:
+            summaries.append((e, []))
+        elif e["event"] == S.BLOCK_EVICTED:
+            summaries[-1][1].append(e)
+    for summary, victims in summaries:
+        assert len(victims) == summary["count"]
+        assert summary["retain_score"] == max(v["retain_score"] for v in victims)
+        assert summary["protected"] == any(v["protected"] for v in victims)
 
 
 def test_admission_gate_limits_unknown_families() -> None:

@@ -126,7 +126,9 @@ class Recorder:
         """
         keeper = self.keeper
         if keeper is not None:
-            keeper.apply_one(record)
+            apply = keeper.handler(record[0])
+            if apply is not None:
+                apply(record)
         pending = self.log
         if pending is not None:
             pending.append(record)

@@ -55,8 +55,8 @@ class Lifecycle:
         #: Whether rows are emitted: the keeper sets False, and the handlers then skip building them (the keeper
         #: runs on vLLM's scheduler thread, where a call per block that does nothing is still paid).
         self.rows = True
-        #: Whether only the side table's lean columns are kept (:data:`kvfabric.side_table.LEAN_COLUMNS`; the
-        #: keeper of a policy that reads nothing else sets it).
+        #: Whether only the side table's lean columns are kept (:data:`kvfabric.side_table.LEAN_COLUMNS`), with its
+        #: lean operations: the keeper of a policy that reads nothing else sets it, and swaps in those handlers.
         self.lean = False
         self.null_block = null_block
         self.evicted_memory = evicted_memory
@@ -69,6 +69,7 @@ class Lifecycle:
         # vLLM's ref count of each block as the records tell it (sealing calls carry none: it is this one)
         self.refs: list[int] = [0] * num_blocks
         self.events = 0  # rows emitted
+        self.protected_evictions = 0  # pressure evictions of blocks the policy had marked protected (SCORED)
         self._handlers: dict[int, Callable[[tuple], None]] = {
             R.LOOKUP: self._lookup,
             R.ADMITTED: self._admitted,
@@ -188,8 +189,11 @@ class Lifecycle:
         last_use = t.last_use
         refs = self.refs
         rows = self.rows
+        protected = t.protected
         for b in ids:
             if hashes[b] is not None:
+                if protected[b]:
+                    self.protected_evictions += 1
                 self._evict(b, ts, step, rid, S.EVICT_PRESSURE)
             last_use[b] = now
             refs[b] = 1
@@ -234,7 +238,6 @@ class Lifecycle:
         null = self.null_block
         refs = self.refs
         rows = self.rows
-        lean = self.lean
         prev_id = -1 if prev is None or prev == null else prev
         digests = hash64_all(raws)
         for j, b in enumerate(ids):
@@ -245,10 +248,7 @@ class Lifecycle:
             parent: int | None = t.hash[prev_id] if prev_id >= 0 else None
             if parent is None and j == 0 and parent_raw is not None:
                 parent = hash64(parent_raw)
-            if lean:
-                t.seal_lean(b, h, parent, prev_id, start + j)  # type: ignore[arg-type]
-            else:
-                t.seal(b, h, parent, prev_id, start + j, family, rid, now)  # type: ignore[arg-type]
+            t.seal(b, h, parent, prev_id, start + j, family, rid, now)  # type: ignore[arg-type]
             prev_id = b
             if not rows:
                 continue
@@ -298,8 +298,13 @@ class Lifecycle:
         self._row(ts, step, S.CACHE_ADMISSION_LIMITED, rid, family=family, count=n)
 
     def _ranked(self, rec: tuple) -> None:
-        _, ts, step, rid, n, top, any_protected = rec
-        self._row(ts, step, S.EVICTION_CANDIDATES_RANKED, rid, retain_score=top, protected=any_protected, count=n)
+        # The victims' scores and flags came in SCORED records when they became candidates; they are still here
+        # (their ALLOCATED record, which evicts them, comes after this one).
+        _, ts, step, rid, victims = rec
+        t = self.table
+        scores = [sc for sc in map(t.score.__getitem__, victims) if sc is not None]
+        self._row(ts, step, S.EVICTION_CANDIDATES_RANKED, rid, retain_score=max(scores) if scores else None,
+                  protected=any(map(t.protected.__getitem__, victims)), count=len(victims))
 
     def _scored(self, rec: tuple) -> None:
         _, ids, scores, flags = rec
@@ -322,12 +327,14 @@ class StatisticsKeeper(Lifecycle):
     """The side table alone, for a policy inside vLLM: the same handlers, no events, no evicted-digest memory.
 
     ``last_use`` is written on ``clock`` (the victim index's logical clock), the clock policies see as ``now``.
-    Scores and protection are written by steering itself (it computes them), so ``SCORED`` records are not needed.
+    Scores and protection flags are the expander's alone (``SCORED`` records): nothing in-process reads them.
 
     ``reads``: the columns the policy reads (``EvictionPolicy.reads``). When they and the victim index's are all
     lean (:data:`~kvfabric.side_table.LEAN_COLUMNS`), only those are kept, with the side table's lean operations:
     a free then costs nothing here, a touch one addition per block, an eviction one write. This runs on vLLM's
-    scheduler thread, once per block of every call (``benchmarks/results/hook_overhead.md``).
+    scheduler thread, once per block of every call (``benchmarks/results/hook_overhead.md``), so the records it
+    has nothing to do for have no handler at all (:attr:`handler` answers None for them: no call is made), and a
+    lean sealing is one side-table call per record.
     """
 
     def __init__(self, num_blocks: int, clock: Callable[[], int], null_block: int = 0,
@@ -335,19 +342,33 @@ class StatisticsKeeper(Lifecycle):
         super().__init__(num_blocks=num_blocks, emit=_nothing, null_block=null_block)
         self.rows = False
         self.clock = clock
+        handlers = self._handlers
         for op in (R.LOOKUP, R.ADMITTED, R.CANCELLED, R.DONE, R.LIMITED, R.RANKED, R.SCORED, R.LOST):
-            self._handlers[op] = _nothing
+            del handlers[op]
         self.lean = (INDEX_COLUMNS | set(reads)) <= LEAN_COLUMNS
         if self.lean:
-            self._handlers[R.ALLOCATED] = self._lean_allocated
-            self._handlers[R.TOUCHED] = self._lean_touched
-            self._handlers[R.FREED] = _nothing  # only ``last_use`` and the expander's ref counts move on a free
+            handlers[R.ALLOCATED] = self._lean_allocated
+            handlers[R.TOUCHED] = self._lean_touched
+            handlers[R.SEALED] = self._lean_sealed
+            del handlers[R.FREED]  # only ``last_use`` and the expander's ref counts move on a free
+        #: The handler of a record's op, or None when this keeper has nothing to do for it (the recorder's hot
+        #: path looks it up itself: one call per record instead of two, none for the records it skips).
+        self.handler: Callable[[int], Callable[[tuple], None] | None] = handlers.get
+
+    def apply(self, records: Iterable[tuple]) -> None:
+        for rec in records:
+            self.apply_one(rec)
+
+    def apply_one(self, record: tuple) -> None:
+        fn = self.handler(record[0])
+        if fn is not None:
+            fn(record)
 
     def follow(self, op: int, fn: Callable[[tuple], None]) -> None:
         """After this keeper applies each ``op`` record, ``fn(record)`` sees it too (steering follows touches this
         way: a touched block left vLLM's free list). ``fn`` handles its own errors."""
-        apply = self._handlers[op]
-        if apply is _nothing:  # (a lean keeper ignores frees: no call for it)
+        apply = self._handlers.get(op)
+        if apply is None:  # (a lean keeper ignores frees: no call for it)
             self._handlers[op] = fn
             return
 
@@ -362,6 +383,16 @@ class StatisticsKeeper(Lifecycle):
 
     def _lean_touched(self, rec: tuple) -> None:
         self.table.hit_all(rec[4], self.null_block)
+
+    def _lean_sealed(self, rec: tuple) -> None:
+        _, _ts, _step, _rid, _family, start, prev, ids, raws, parent_raw = rec
+        t = self.table
+        null = self.null_block
+        prev_id = -1 if prev is None or prev == null else prev
+        parent = t.hash[prev_id] if prev_id >= 0 else None
+        if parent is None and parent_raw is not None:
+            parent = hash64(parent_raw)
+        t.seal_run_lean(ids, hash64_all(raws), parent, prev_id, start, null)
 
     def _stamp(self, ts: int) -> int:
         return self.clock()

@@ -56,6 +56,11 @@ class Outlet:
     def drain(self) -> list[tuple]:
         raise TypeError(f"the {self.name} outlet keeps no rows: build the hook with outlet='local' to drain them")
 
+    @property
+    def expander(self) -> Lifecycle | None:
+        """The lifecycle expander running in this process (replays read its counters), or None."""
+        return None
+
     def close(self) -> None:
         """Deliver what can be delivered within bounded time."""
 
@@ -88,6 +93,10 @@ class LocalOutlet(Outlet):
         self.lifecycle.emit = self.rows.append
         return rows
 
+    @property
+    def expander(self) -> Lifecycle | None:
+        return self.lifecycle
+
 
 class TeeOutlet(Outlet):
     """In-process expansion (rows to drain) and another outlet (the collector) at once: replays that count events
@@ -107,6 +116,10 @@ class TeeOutlet(Outlet):
 
     def drain(self) -> list[tuple]:
         return self.local.drain()
+
+    @property
+    def expander(self) -> Lifecycle | None:
+        return self.local.lifecycle
 
     def close(self) -> None:
         self.remote.close()

@@ -26,7 +26,7 @@ op              fields after the op code
 ``RESET``       ts, step                (``reset_prefix_cache`` succeeded)
 ``DONE``        request_id              (``KVCacheManager.free``: the request left the manager)
 ``LIMITED``     ts, step, request_id, family, blocks not cached   (the admission gate narrowed a mask)
-``RANKED``      ts, step, request_id, victims, highest retain score, whether a protected block went
+``RANKED``      ts, step, request_id, the policy's victims (block ids, in the order they went)
 ``SCORED``      block ids, retain scores, protected flags   (a policy ranked new candidates)
 ``LOST``        ts, events                       (loss the producer counted: report it as ``sink_dropped``)
 ==============  =========================================================================================

@@ -89,12 +89,15 @@ class Steering:
         self.ctx: RequestInfo | None = None  # the request whose blocks vLLM is freeing right now
         self.blocks: list[Any] = []  # the pool's blocks, by id
         self.victims = 0  # blocks the policy chose
-        self.protected_victims = 0  # of which the policy had marked protected (it had nothing else left)
         self.fallbacks = 0  # blocks taken from the head because the index had none (reset, unpinned blocks)
         self.stale = 0  # index entries found no longer free or no longer cached (skipped)
         self.errors = 0
-        #: Whether events go out (lifecycle recording on): retain scores and protection are kept for them.
+        #: Whether events go out (lifecycle recording on): new candidates' retain scores and protection flags are
+        #: then reported (``SCORED``), for the expander to keep and write into event rows.
         self.reports = recorder.log is not None
+        #: Whether victim choices are reported too (``RANKED``, which the expander summarises as
+        #: ``eviction_candidates_ranked`` from those scores and flags: the policy ranks).
+        self.ranked = self.reports and policy is not None and policy.ranked
         # The policy's eviction observer, or None when it keeps the base class's no-op (saves a call per eviction).
         self.on_evicted = (
             policy.on_evicted_all
@@ -119,12 +122,12 @@ class Steering:
             if any(map(index.held.__getitem__, ids)):
                 # Blocks coming back to the list were not in it: an entry they still have is stale (see above).
                 index.discard_all(ids)
-            if not self.reports:
-                index.add_many(ids, self.ctx)
-                return
-            ids, scores, flags = index.add_reported(ids, self.ctx)
+            ids, keys = index.add_many(ids, self.ctx)
             pending = self.recorder.log
             if ids and pending is not None:
+                # Reported only: what reads scores and flags (event rows, ``eviction_candidates_ranked``) is the
+                # expander, which keeps them in its own side table.
+                scores, flags = index.policy.report(index.owner.table, ids, keys, index.now)
                 pending.append((R.SCORED, ids, scores, flags))
         except Exception:
             self.failed("add")
@@ -136,7 +139,10 @@ class Steering:
             return
         try:
             blocks = self.blocks
-            ids = [b for b, ref in zip(rec[4], rec[5], strict=True) if not ref and blocks[b].block_hash is not None]
+            ids, refs = rec[4], rec[5]
+            if any(refs):  # (a request's last user frees all of its blocks: usually none is still referenced)
+                ids = [b for b, ref in zip(ids, refs, strict=True) if not ref]
+            ids = [b for b in ids if blocks[b].block_hash is not None]
         except Exception:
             self.failed("add")
             return
@@ -202,14 +208,14 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
         out.append(blk)
     if index is not None and out:
         try:
+            held = index.held
             for blk in out:
-                index.discard(blk.block_id)
+                if held[blk.block_id]:
+                    index.discard(blk.block_id)
         except Exception:
             st.failed("discard")
     # 2. The policy's victims.
-    chosen = 0
-    top_score: float | None = None
-    any_protected = False
+    chosen: list[int] = []
     if len(out) < n and index is not None:
         blocks = st.blocks
         on_evicted = st.on_evicted
@@ -232,17 +238,7 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
                     taken.append(b)
                 if on_evicted is not None and taken:
                     on_evicted(t, taken, index.now)
-                chosen += len(taken)
-                if st.reports:
-                    score = t.score
-                    protected = t.protected
-                    for b in taken:
-                        sc = score[b]
-                        if sc is not None and (top_score is None or sc > top_score):
-                            top_score = sc
-                        if protected[b]:
-                            any_protected = True
-                            st.protected_victims += 1
+                chosen += taken
         except Exception:
             st.failed("victim choice")
     # 3. Whatever is left, in vLLM's order (never fail while n blocks are free).
@@ -258,15 +254,12 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
         st.fallbacks += 1
         out.append(blk)
     if index is not None:
-        try:
-            index.tick(n)
-        except Exception:
-            st.failed("clock")
+        index.now += n  # the index's clock (``tick``), inline: a call per allocation shows in the scheduler's time
     if chosen:
-        st.victims += chosen
+        st.victims += len(chosen)
         r = st.recorder
-        if st.reports and st.policy is not None and st.policy.ranked and r.log is not None:
-            r.log.append((R.RANKED, r.clock(), r.step, r.rid, chosen, top_score, any_protected))
+        if st.ranked and r.log is not None:
+            r.log.append((R.RANKED, r.clock(), r.step, r.rid, chosen))
     return out
 
 

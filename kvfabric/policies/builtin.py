@@ -104,10 +104,20 @@ class _GhostSet:
         self.previous: set[int] = set()
 
     def add(self, h: int) -> None:
-        self.current.add(h)
-        if len(self.current) >= self.capacity // 2:
-            self.previous = self.current
-            self.current = set()
+        self.add_all([h])
+
+    def add_all(self, hs: list[int]) -> None:
+        """:meth:`add` of each of ``hs``, in order."""
+        half = self.capacity // 2
+        current = self.current
+        if len(current) + len(hs) < half:  # no generation turns over: one C call
+            current.update(hs)
+            return
+        for h in hs:
+            current.add(h)
+            if len(current) >= half:
+                self.previous = current
+                current = self.current = set()
 
     def pop(self, h: int) -> bool:
         """Remove ``h``; returns whether it was remembered."""
@@ -181,31 +191,27 @@ class AdaptiveAgingPolicy(EvictionPolicy):
         return self.keys(t, [b], now, ctx)[0]
 
     def keys(self, t: BlockStats, ids: list[int], now: int, ctx: RequestInfo | None) -> list[float]:
-        # One loop per free (the hot path): the request context is the same for all of a free's blocks.
+        # The hot path (once per free): the request context is the same for all of a free's blocks.
         ended = ctx is not None and ctx.session_end
-        live = ctx is not None and ctx.session is not None and not ended
-        hits = t.hits
-        hashes = t.hash
-        promoted = self.promoted
         proven_cls = self.proven_cls
         credited = now + self.credit
-        plain = float(now)
-        dead = self.DEAD + now
-        out: list[float] = []
-        for b in ids:
-            if hits[b]:
-                proven = True
-            elif ended:
-                # Never hit = one user only (the sealer's own use is not a touch, every other user's is):
-                # the conversation is over, its private blocks go first.
-                proven_cls[b] = False
-                out.append(dead)
-                continue
-            else:
-                proven = live or hashes[b] in promoted
-            proven_cls[b] = proven
-            out.append(credited if proven else plain)
-        return out
+        if ctx is not None and ctx.session is not None and not ended:
+            for b in ids:  # a live conversation's blocks: the next turn's prefix
+                proven_cls[b] = True
+            return [credited] * len(ids)
+        hits = t.hits
+        promoted = self.promoted
+        if promoted and not ended:
+            hashes = t.hash
+            proven = [hits[b] > 0 or hashes[b] in promoted for b in ids]
+        else:
+            proven = [hits[b] > 0 for b in ids]
+        for b, p in zip(ids, proven, strict=True):
+            proven_cls[b] = p
+        # Never hit = one user only (the sealer's own use is not a touch, every other user's is): when the
+        # conversation is over, its private blocks go first.
+        other = self.DEAD + now if ended else float(now)
+        return [credited if p else other for p in proven]
 
     def retain_score(self, key: float, now: int) -> float:
         """Allocations of life left before this block would go under pure LRU order (negative: overdue)."""
@@ -242,14 +248,16 @@ class AdaptiveAgingPolicy(EvictionPolicy):
 
     def on_evicted_all(self, t: BlockStats, ids: list[int], now: int) -> None:
         hashes = t.hash
-        promoted = self.promoted
         proven_cls = self.proven_cls
-        proven, unproven = self.ghost_proven, self.ghost_unproven
-        for b in ids:
-            h = hashes[b]
-            if h is not None:
-                promoted.discard(h)
-                (proven if proven_cls[b] else unproven).add(h)
+        # Each ghost list in one call, in eviction order (the two are independent of each other).
+        proven = [h for b in ids if proven_cls[b] and (h := hashes[b]) is not None]
+        unproven = [h for b in ids if not proven_cls[b] and (h := hashes[b]) is not None]
+        if self.promoted:
+            self.promoted.difference_update(proven, unproven)
+        if proven:
+            self.ghost_proven.add_all(proven)
+        if unproven:
+            self.ghost_unproven.add_all(unproven)
 
     def describe(self) -> dict[str, Any]:
         return {

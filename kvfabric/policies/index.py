@@ -37,6 +37,9 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import groupby
+from operator import itemgetter
 
 from kvfabric.policies.base import EvictionPolicy, RequestInfo, TableOwner
 
@@ -90,12 +93,29 @@ class VictimIndex(ABC):
         t = self.owner.table
         keys = self.policy.keys(t, ids, self.now, ctx)
         own = self.keys
+        head = ids[1:]
+        parent_block = t.parent_block
+        if head and [parent_block[b] for b in ids[:-1]] == head:
+            # The usual free: one request's blocks, tail first, each sealed right after the next one (so that one
+            # holds its parent content: they are the same request's consecutive blocks). None of those parents is
+            # held yet, so no key is clamped: each is just linked. The chain's own parent, outside this call, is
+            # linked the general way below.
+            link = self.link
+            nkids = self.nkids
+            for b, p, key in zip(ids, head, keys, strict=False):  # (all but the last: head is one shorter)
+                held[b] = True
+                own[b] = key
+                link[b] = p
+                nkids[p] += 1
+            rest = len(ids) - 1
+        else:
+            rest = 0
         link = self.link
         nkids = self.nkids
-        parent_block = t.parent_block
         parent = t.parent
         hashes = t.hash
-        for i, b in enumerate(ids):
+        for i in range(rest, len(ids)):
+            b = ids[i]
             # The parent link: the block holding b's parent content, if it still does (its hash is b's parent
             # hash). A dead link (the parent was evicted, and maybe reused, since) is no link.
             p = parent_block[b]
@@ -132,35 +152,45 @@ class VictimIndex(ABC):
         """Block ``b`` left the candidates (touched again, or no longer cached). Returns whether it was held."""
         if not self.held[b]:
             return False
-        self.held[b] = False
-        self.size -= 1
-        if self.deferred[b]:
-            self.deferred[b] = False  # set aside: it is not in the ordering structure
-        else:
-            self._remove(b)
-        if self.link[b] >= 0:
-            self._unlink(b)
+        self.discard_all((b,))
         return True
 
-    def discard_all(self, ids: list[int]) -> None:
-        """:meth:`discard` of each of ``ids`` (blocks in use again: a prefix-cache hit touched them)."""
+    def discard_all(self, ids: Sequence[int]) -> None:
+        """:meth:`discard` of each of ``ids`` (blocks in use again: a prefix-cache hit touched them). One loop for
+        the bookkeeping, one call for the ordering structure (this runs once per touch on vLLM's scheduler
+        thread)."""
         held = self.held
-        discard = self.discard
+        deferred = self.deferred
+        link = self.link
+        placed: list[int] = []  # held blocks in the ordering structure (a deferred one is set aside from it)
+        gone = 0
         for b in ids:
-            if held[b]:
-                discard(b)
+            if not held[b]:
+                continue
+            held[b] = False
+            gone += 1
+            if deferred[b]:
+                deferred[b] = False
+            else:
+                placed.append(b)
+            if link[b] >= 0:
+                self._unlink(b)
+        self.size -= gone
+        if placed:
+            self._remove_many(placed)
 
-    def _unlink(self, b: int) -> None:
-        """``b`` (linked to a parent) is no longer held: the parent has one held child fewer, and a deferred
-        parent goes back in its place at none."""
+    def _unlink(self, b: int) -> bool:
+        """``b`` (linked to a parent) is no longer held: the parent has one held child fewer, and a deferred parent
+        goes back in its place at none. Returns whether one did."""
         p = self.link[b]
         self.link[b] = -1
-        n = self.nkids[p] - 1
-        self.nkids[p] = n
-        if n == 0 and self.deferred[p]:
-            self.deferred[p] = False
-            self.restores += 1
-            self._restore(p)
+        self.nkids[p] -= 1
+        if self.nkids[p] or not self.deferred[p]:
+            return False
+        self.deferred[p] = False
+        self.restores += 1
+        self._restore(p)
+        return True
 
     def pop(self) -> int | None:
         """Take the next victim (a held leaf), or None when nothing is held."""
@@ -183,20 +213,17 @@ class VictimIndex(ABC):
             run = self._take_run(n - len(out))
             if not run:
                 break
-            restores = self.restores
             for i, b in enumerate(run):
                 if nkids[b]:
                     deferred[b] = True  # back in its place when its last held child leaves
                     self.descents += 1
                     continue
                 held[b] = False
-                self.size -= 1
                 out.append(b)
-                if link[b] >= 0:
-                    self._unlink(b)
-                    if self.restores != restores:
-                        self._put_back(run[i + 1:])
-                        break
+                if link[b] >= 0 and self._unlink(b):
+                    self._put_back(run[i + 1:])
+                    break
+        self.size -= len(out)
         return out
 
     def clear(self) -> None:
@@ -209,8 +236,8 @@ class VictimIndex(ABC):
         """Put newly held blocks into the ordering structure, behind those already there (ties: arrival order)."""
 
     @abstractmethod
-    def _remove(self, b: int) -> None:
-        """Take held block ``b`` out of the ordering structure."""
+    def _remove_many(self, ids: list[int]) -> None:
+        """Take held blocks ``ids`` out of the ordering structure."""
 
     @abstractmethod
     def _take_run(self, limit: int) -> list[int]:
@@ -262,11 +289,15 @@ class SegmentedIndex(VictimIndex):
             entry[b] = arrival
         self.arrivals = arrival
 
-    def _remove(self, b: int) -> None:
-        if self.is_restored[b]:
-            self.is_restored[b] = False  # its heap entry is skipped when it reaches the top
-        else:
-            del self.segments[self.segment_of[b]][b]
+    def _remove_many(self, ids: list[int]) -> None:
+        is_restored = self.is_restored
+        segments = self.segments
+        segment_of = self.segment_of
+        for b in ids:
+            if is_restored[b]:
+                is_restored[b] = False  # its heap entry is skipped when it reaches the top
+            else:
+                del segments[segment_of[b]][b]
 
     def _take_run(self, limit: int) -> list[int]:
         # One block at a time: a segment's FIFO order can interleave with the restored blocks' heap.
@@ -327,44 +358,52 @@ class HeapIndex(VictimIndex):
         lanes = self.lanes
         tails = self.tails
         arrival = self.arrivals
-        last_key: float | None = None
-        lane = -1
-        for b, key in zip(ids, keys, strict=True):
-            arrival += 1
-            entry[b] = arrival
-            if key != last_key:
-                # Best fit: the lane whose last key is the largest one not above this key.
-                lane = -1
-                best = -_INF
-                for i, tail in enumerate(tails):
-                    if best <= tail <= key and (lane < 0 or tail > best):
-                        lane, best = i, tail
-                if lane < 0 and len(lanes) < self.LANES:
-                    lanes.append(OrderedDict())
-                    tails.append(-_INF)
-                    lane = len(lanes) - 1
-                last_key = key
-            lane_of[b] = lane
+        # A run of equal keys (a free's blocks of one class: often all of them) goes to one place.
+        for key, run in groupby(zip(ids, keys, strict=True), _second):
+            # Best fit: the lane whose last key is the largest one not above this key.
+            lane = -1
+            best = -_INF
+            for i, tail in enumerate(tails):
+                if best <= tail <= key and (lane < 0 or tail > best):
+                    lane, best = i, tail
+            if lane < 0 and len(lanes) < self.LANES:
+                lanes.append(OrderedDict())
+                tails.append(-_INF)
+                lane = len(lanes) - 1
             if lane >= 0:
-                lanes[lane][b] = None
+                seg = lanes[lane]
+                for b, _ in run:
+                    arrival += 1
+                    entry[b] = arrival
+                    lane_of[b] = lane
+                    seg[b] = None
                 tails[lane] = key
             else:
-                self.in_heap += 1
-                heapq.heappush(self.heap, (key, arrival, b))
+                heap = self.heap
+                for b, _ in run:
+                    arrival += 1
+                    entry[b] = arrival
+                    lane_of[b] = -1
+                    self.in_heap += 1
+                    heapq.heappush(heap, (key, arrival, b))
         self.arrivals = arrival
         if len(self.heap) > 2 * self.in_heap + 64:
             self._compact()
 
-    def _remove(self, b: int) -> None:
-        lane = self.lane_of[b]
-        if lane >= 0:
-            seg = self.lanes[lane]
-            del seg[b]
-            if not seg:
-                self.tails[lane] = -_INF
-        else:
-            self.entry[b] = 0
-            self.in_heap -= 1
+    def _remove_many(self, ids: list[int]) -> None:
+        lane_of = self.lane_of
+        lanes = self.lanes
+        entry = self.entry
+        for b in ids:
+            lane = lane_of[b]
+            if lane >= 0:
+                seg = lanes[lane]
+                del seg[b]
+                if not seg:
+                    self.tails[lane] = -_INF
+            else:
+                entry[b] = 0
+                self.in_heap -= 1
 
     def _take_run(self, limit: int) -> list[int]:
         # The least of the lanes' heads and the heap's top; from a lane, its following blocks too while they stay
@@ -425,6 +464,7 @@ class HeapIndex(VictimIndex):
 
 
 _INF = float("inf")
+_second = itemgetter(1)
 
 
 def make_index(policy: EvictionPolicy, owner: TableOwner, num_blocks: int) -> VictimIndex:

@@ -266,7 +266,8 @@ def replay_real(
     if steering is not None:
         out["steering"] = {
             "victims": steering.victims,
-            "protected_victims": steering.protected_victims,
+            # Counted by the expander, which keeps the policy's protection flags (SCORED records).
+            "protected_victims": expander.protected_evictions if (expander := inst.outlet.expander) else 0,
             "fallbacks": steering.fallbacks,
             "stale": steering.stale,
             "errors": steering.errors,
