@@ -24,7 +24,7 @@ from vllm.v1.request import Request
 from kvfabric import schema as S
 from kvfabric.config import load_hook_settings
 from kvfabric.hook.install import Installation, build_hook
-from kvfabric.hook.steering import Steering, attach_steering
+from kvfabric.hook.steering import Steering, _hash_is_a_field_property, attach_steering
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.policies.base import EvictionPolicy
 from kvfabric.side_table import ALL_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS
@@ -520,3 +520,25 @@ def test_policy_statistics_without_recording_keep_family_and_last_use() -> None:
     sealed = [b for b in range(12) if t.hash[b] is not None and t.family[b] == "fam"]
     assert len(sealed) == 2
     assert all(0 <= t.last_use[b] < inst.steering.index.now for b in sealed)  # type: ignore[union-attr]
+
+
+def test_frees_read_vllms_hash_field_only_where_the_property_is_that_field() -> None:
+    """Steering reads ``KVCacheBlock._block_hash`` per freed block instead of the ``block_hash`` property (a Python
+    call each) only when the property returns exactly that field, as in vLLM 0.33; otherwise the property."""
+    manager, _inst, steering = make_manager(8, "adaptive_aging")
+    assert steering is not None and steering.hash_field
+    blk = manager.block_pool.blocks[1]
+    assert blk.block_hash is None and blk._block_hash is None  # the check restored what it changed
+
+    class Derived:
+        _block_hash = None
+
+        @property
+        def block_hash(self) -> object:
+            return ("group", self._block_hash)  # not the field itself
+
+    class Plain:
+        block_hash = None
+
+    assert not _hash_is_a_field_property([Derived()]) and not _hash_is_a_field_property([Plain()])
+    assert not _hash_is_a_field_property([])

@@ -88,6 +88,9 @@ class Steering:
         self.hold: CacheAwareHold | None = None
         self.ctx: RequestInfo | None = None  # the request whose blocks vLLM is freeing right now
         self.blocks: list[Any] = []  # the pool's blocks, by id
+        #: Whether vLLM's ``KVCacheBlock.block_hash`` is a property over a ``_block_hash`` field (0.26, 0.33): read
+        #: per block, the field costs an attribute load where the property costs a Python call.
+        self.hash_field = False
         self.victims = 0  # blocks the policy chose
         self.fallbacks = 0  # blocks taken from the head because the index had none (reset, unpinned blocks)
         self.stale = 0  # index entries found no longer free or no longer cached (skipped)
@@ -142,7 +145,10 @@ class Steering:
             ids, refs = rec[4], rec[5]
             if any(refs):  # (a request's last user frees all of its blocks: usually none is still referenced)
                 ids = [b for b, ref in zip(ids, refs, strict=True) if not ref]
-            ids = [b for b in ids if blocks[b].block_hash is not None]
+            if self.hash_field:
+                ids = [b for b in ids if blocks[b]._block_hash is not None]
+            else:
+                ids = [b for b in ids if blocks[b].block_hash is not None]
         except Exception:
             self.failed("add")
             return
@@ -268,6 +274,25 @@ QUEUE_HOOKS: dict[str, Callable[..., Any]] = {
     "popleft_n": _popleft_n,
 }
 """The methods :func:`hook_queue` binds onto the queue instance, by the name vLLM calls."""
+
+
+def _hash_is_a_field_property(blocks: list[Any]) -> bool:
+    """Whether ``block_hash`` of vLLM's blocks is a property that returns the ``_block_hash`` field (checked on a
+    block both ways: without its hash, and with a sentinel set and restored)."""
+    if not blocks:
+        return False
+    blk = blocks[0]
+    if not isinstance(getattr(type(blk), "block_hash", None), property) or not hasattr(blk, "_block_hash"):
+        return False
+    saved = blk._block_hash
+    try:
+        sentinel = object()
+        blk._block_hash = sentinel
+        return blk.block_hash is sentinel
+    except Exception:
+        return False
+    finally:
+        blk._block_hash = saved
 
 
 def _iter_digests(hashes: Any, start: int) -> Iterator[int]:
@@ -433,6 +458,7 @@ def attach_steering(
     if policy is not None and index is not None and keeper is not None:
         queue = pool.free_block_queue
         steering.blocks = pool.blocks
+        steering.hash_field = _hash_is_a_field_property(pool.blocks)
         hook_queue(queue, steering)
         keeper.follow(R.FREED, steering.freed)
         keeper.follow(R.TOUCHED, steering.touched)

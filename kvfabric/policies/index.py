@@ -162,7 +162,9 @@ class VictimIndex(ABC):
         held = self.held
         deferred = self.deferred
         link = self.link
+        nkids = self.nkids
         placed: list[int] = []  # held blocks in the ordering structure (a deferred one is set aside from it)
+        orphaned: list[int] = []  # parents whose last held child left here: deferred ones go back, below
         gone = 0
         for b in ids:
             if not held[b]:
@@ -173,11 +175,18 @@ class VictimIndex(ABC):
                 deferred[b] = False
             else:
                 placed.append(b)
-            if link[b] >= 0:
-                self._unlink(b)
+            p = link[b]
+            if p >= 0:  # (:meth:`_unlink`, without a call per touched block)
+                link[b] = -1
+                nkids[p] -= 1
+                if not nkids[p]:
+                    orphaned.append(p)
         self.size -= gone
         if placed:
             self._remove_many(placed)
+        for p in orphaned:
+            if deferred[p] and not nkids[p]:  # (one discarded here too is no longer deferred)
+                self._unlink_done(p)
 
     def _unlink(self, b: int) -> bool:
         """``b`` (linked to a parent) is no longer held: the parent has one held child fewer, and a deferred parent
@@ -187,10 +196,14 @@ class VictimIndex(ABC):
         self.nkids[p] -= 1
         if self.nkids[p] or not self.deferred[p]:
             return False
+        self._unlink_done(p)
+        return True
+
+    def _unlink_done(self, p: int) -> None:
+        """Deferred ``p``'s last held child left: it goes back in its place."""
         self.deferred[p] = False
         self.restores += 1
         self._restore(p)
-        return True
 
     def pop(self) -> int | None:
         """Take the next victim (a held leaf), or None when nothing is held."""
