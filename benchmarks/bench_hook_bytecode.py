@@ -8,9 +8,10 @@ Usage::
 Each mode runs the same CPU demo workload as ``bench_hook_overhead.py`` (vLLM 0.33's real scheduler, 640 blocks,
 zero-latency model) once, in its own process, with a tracer that counts every bytecode instruction the
 interpreter executes in the engine's steps, by where its code lives: vLLM, KVFabric (the hook, steering, policies),
-the simulated engine driving them, and everything else (the standard library, torch). The counts are exact and
-repeatable: they do not move with the machine's speed, which on a shared 2-core machine swings from one round to
-the next by more than the effects worth measuring here. They are not time: instructions differ in cost (a call
+the simulated engine driving them, and everything else (the standard library, torch). The counts repeat from run
+to run but for the records' hand-overs, which follow the clock (a few dozen instructions in millions): they do not
+move with the machine's speed, which on a shared 2-core machine swings from one round to the next by more than
+the effects worth measuring here. They are not time: instructions differ in cost (a call
 costs more than a local load), so a change is judged by both benchmarks, this one saying what changed and the
 timed one how much it was worth. Lifecycle events are recorded with sink ``none`` (the forwarder is another
 process: its work is not the scheduler thread's). Tracing makes a run ~30x slower (minutes per mode).
@@ -137,8 +138,8 @@ def main() -> int:
         f"Command: `python benchmarks/bench_hook_bytecode.py --modes {','.join(modes)}`"
         + (f" `--steps {args.steps}`" if args.steps is not None else "") + "  ",
         f"Machine: {platform.machine()}, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}  ",
-        "What: Python bytecode instructions executed in the engine's steps, by where the code lives (exact, "
-        "repeatable; see the script's docstring for what they are and are not).",
+        "What: Python bytecode instructions executed in the engine's steps, by where the code lives (repeatable but "
+        "for the clock-driven hand-overs; see the script's docstring for what they are and are not).",
         "",
         "| mode | steps | " + " | ".join(GROUPS) + " | total | vs plain |",
         "|---|---|" + "---|" * len(GROUPS) + "---|---|",

@@ -36,3 +36,27 @@ def test_lockstep_round_builds_each_mode_and_runs_every_engine(tmp_path: Path,
     assert plain_events == 0 and off_events == 0  # nothing of KVFabric in these engines
     assert rec_events > 24  # the recording engine's hook made records for every request
     assert min(plain_cpu, off_cpu, rec_cpu) > 0
+
+
+def test_bytecode_counts_are_exact_and_put_kvfabrics_where_the_mode_asks(tmp_path: Path) -> None:
+    """benchmarks/bench_hook_bytecode.py on a short run: the same mode counted twice gives the same numbers but for
+    the hand-overs, which follow the clock (the point of counting instead of timing), plain executes no KVFabric
+    code, and steering adds to recording's."""
+    import json
+    import subprocess
+    import sys
+
+    def counts(modes: str, out: Path) -> dict:
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_hook_bytecode.py"), "--modes", modes,
+                               "--steps", "120", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                              cwd=ROOT, check=False)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = counts("plain,recording,adaptive_aging", tmp_path / "a.md")
+    again = counts("recording", tmp_path / "b.md")
+    assert abs(again["recording_opcodes"] - first["recording_opcodes"]) <= 0.001 * first["recording_opcodes"]
+    assert first["plain_kvfabric_opcodes"] == 0
+    assert 0 < first["recording_kvfabric_opcodes"] < first["adaptive_aging_kvfabric_opcodes"]
+    assert first["plain_opcodes"] < first["recording_opcodes"] < first["adaptive_aging_opcodes"]
+    assert "| adaptive_aging | 120 |" in (tmp_path / "a.md").read_text()
