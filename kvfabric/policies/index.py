@@ -93,6 +93,8 @@ class VictimIndex(ABC):
         t = self.owner.table
         keys = self.policy.keys(t, ids, self.now, ctx)
         own = self.keys
+        link = self.link
+        nkids = self.nkids
         head = ids[1:]
         parent_block = t.parent_block
         if head and [parent_block[b] for b in ids[:-1]] == head:
@@ -100,8 +102,6 @@ class VictimIndex(ABC):
             # holds its parent content: they are the same request's consecutive blocks). None of those parents is
             # held yet, so no key is clamped: each is just linked. The chain's own parent, outside this call, is
             # linked the general way below.
-            link = self.link
-            nkids = self.nkids
             for b, p, key in zip(ids, head, keys, strict=False):  # (all but the last: head is one shorter)
                 held[b] = True
                 own[b] = key
@@ -110,8 +110,6 @@ class VictimIndex(ABC):
             rest = len(ids) - 1
         else:
             rest = 0
-        link = self.link
-        nkids = self.nkids
         parent = t.parent
         hashes = t.hash
         for i in range(rest, len(ids)):
