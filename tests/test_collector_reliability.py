@@ -200,19 +200,26 @@ class FullDisk:
     def fill(self, pid: int, leave: int = 0) -> None:
         """No space left (or only ``leave`` bytes: enough for a few commits, not for the next checkpoint)."""
         if self.mounted:
-            self._write_until_full()
-            if leave:
-                os.truncate(self.filler, max(0, os.path.getsize(self.filler) - leave))
+            self._write_until_full(leave)
             return
         self._pid = pid
         self._limit = resource.prlimit(pid, resource.RLIMIT_FSIZE)
         biggest = max(os.path.getsize(os.path.join(self.dir, n)) for n in os.listdir(self.dir))
         resource.prlimit(pid, resource.RLIMIT_FSIZE, (biggest + leave, self._limit[1]))
 
-    def _write_until_full(self) -> None:
-        """Write the filler until the kernel says the disk is full (the collector keeps writing meanwhile)."""
+    def _write_until_full(self, leave: int = 0) -> None:
+        """Write the filler until the kernel says the disk is full, or until only ``leave`` bytes are free (the
+        collector keeps writing meanwhile). With ``leave``, the disk is never full on the way: filling it and then
+        truncating the filler left a moment with no space at all, in which the collector's next commit failed
+        first (the WAL write, not the checkpoint the test waits for)."""
         chunk = b"\0" * (1 << 20)
         with open(self.filler, "wb", buffering=0) as f:
+            while leave:
+                st = os.statvfs(self.dir)
+                room = st.f_bavail * st.f_frsize - leave
+                if room < 4096:
+                    return
+                f.write(chunk[: min(len(chunk), room)])
             while True:
                 try:
                     f.write(chunk)
