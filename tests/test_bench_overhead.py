@@ -60,3 +60,28 @@ def test_bytecode_counts_are_exact_and_put_kvfabrics_where_the_mode_asks(tmp_pat
     assert 0 < first["recording_kvfabric_opcodes"] < first["adaptive_aging_kvfabric_opcodes"]
     assert first["plain_opcodes"] < first["recording_opcodes"] < first["adaptive_aging_opcodes"]
     assert "| adaptive_aging | 120 |" in (tmp_path / "a.md").read_text()
+
+
+def test_call_timings_cover_each_entry_point_in_place_and_time_warm_and_cold(tmp_path: Path) -> None:
+    """benchmarks/bench_hook_calls.py on a short run: every entry point it times was called in the run (the
+    timers sit where vLLM's calls go), and the warm and cold repeats ran on the run's final state (what the
+    medians are, the script's results say: timings are not asserted)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "calls.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_hook_calls.py"), "--steps", "4000",
+                           "--samples", "20", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["steps"] == 4000 and got["samples"] == 20
+    for entry in ("free_record", "touch_record", "seal_record", "allocation_record", "free_list_popleft_n_1",
+                  "victim_index_pop_n_1", "policy_on_evicted_all_one_block"):
+        assert got[f"{entry}_calls"] > 0 and got[f"{entry}_in_place_us"] > 0, entry
+    # vLLM's get_new_blocks calls popleft_n once and is recorded once (an allocation record).
+    assert got["free_list_popleft_n_1_calls"] <= got["allocation_record_calls"]
+    for entry in ("victim_index_pop_n_1", "policy_on_evicted_all_one_block"):
+        assert got[f"{entry}_warm_us"] > 0 and got[f"{entry}_cold_us"] > 0
+    assert "| `seal record (keeper)` |" in out.read_text()

@@ -1,0 +1,183 @@
+"""What one call of the steering hook costs inside vLLM's step, against the same call warm and cold.
+
+Usage::
+
+    python benchmarks/bench_hook_calls.py [--steps N] [--samples 300] [--out benchmarks/results/hook_calls.md]
+
+Runs the CPU demo workload of ``bench_hook_overhead.py`` (vLLM 0.33's real scheduler, 640 blocks, zero-latency
+model) once with ``adaptive_aging`` and lifecycle recording (sink ``none``), timing each of steering's entry points
+per call with ``perf_counter_ns`` (about 0.1 µs per reading): the statistics keeper's record handlers (a free's and
+a touch's include following the record into the victim index), the free list's ``popleft_n``, the index's
+``pop_n`` and the policy's ``on_evicted_all``. Those are *in place*: each call runs between stretches of vLLM's own
+work, which uses the caches in between.
+
+Then, on the run's final state, two of those calls are timed again ``--samples`` times each: taking one victim
+(``pop_n(1)``, at most half the candidates left) and entering one eviction (``on_evicted_all`` of one block):
+
+* *warm*: back to back, so the code and data they touch are in the CPU's caches;
+* *cold*: each after writing one byte per 64 of a 32 MiB buffer, which pushes them out.
+
+The ratio says what the hook's time is made of. If an in-place call costs several warm ones and approaches a cold
+one, its time is mostly the memory it touches for the first time since its last call (code, objects, the
+interpreter's caches), not the instructions it executes: removing instructions then saves little, and removing
+whole calls, or the data they touch, is what pays. Timings, unlike ``bench_hook_bytecode.py``'s counts, move with
+the machine: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+ENV = {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_EVICTION_POLICY": "adaptive_aging"}
+THRASH_BYTES = 32 << 20
+
+
+def _timed(samples: list[int], fn: Callable[..., Any], *, only: Callable[..., bool] | None = None
+           ) -> Callable[..., Any]:
+    """``fn`` with each call's duration (ns) appended to ``samples`` (where ``only(*args)`` holds, if given)."""
+    from time import perf_counter_ns
+
+    def call(*args: Any) -> Any:
+        t0 = perf_counter_ns()
+        try:
+            return fn(*args)
+        finally:
+            if only is None or only(*args):
+                samples.append(perf_counter_ns() - t0)
+
+    return call
+
+
+def in_place(steps: int | None) -> tuple[Any, dict[str, list[int]], int]:
+    """Run the workload with steering's entry points timed. Returns the engine, the samples, steps run."""
+    from kvfabric.hook import records as R
+    from kvfabric.sim.harness import SimulatedEngine
+    from kvfabric.sim.workload import demo_workload
+
+    os.environ.update(ENV)
+    engine = SimulatedEngine.create(640, "zero", track_evictions=False, load_plugins=True)
+    engine.add_workload(demo_workload(seed=0))
+    inst = getattr(engine.scheduler, "_kvfabric", None)
+    st = getattr(inst, "steering", None)
+    if st is None or st.index is None or st.keeper is None or st.on_evicted is None:
+        raise SystemExit("adaptive_aging's steering was not attached as expected")
+    samples: dict[str, list[int]] = collections.defaultdict(list)
+    keeper = st.keeper
+    for op, name in ((R.FREED, "free record (keeper + victim index)"), (R.TOUCHED, "touch record (keeper + index)"),
+                     (R.SEALED, "seal record (keeper)"), (R.ALLOCATED, "allocation record (keeper)")):
+        handler = keeper._handlers.get(op)
+        if handler is not None:
+            keeper._handlers[op] = _timed(samples[name], handler)
+    keeper.handler = keeper._handlers.get  # (the recorder looks handlers up through this)
+    queue = engine.scheduler.kv_cache_manager.block_pool.free_block_queue
+    queue.popleft_n = _timed(samples["free list popleft_n(1)"], queue.popleft_n, only=lambda n: n == 1)
+    st.index.pop_n = _timed(samples["victim index pop_n(1)"], st.index.pop_n, only=lambda n: n == 1)
+    st.on_evicted = _timed(samples["policy on_evicted_all, one block"], st.on_evicted,
+                           only=lambda t, ids, now: len(ids) == 1)
+    done = 0
+    while engine.has_unfinished() and (steps is None or done < steps):
+        engine.step()
+        done += 1
+    inst.close()
+    return engine, samples, done
+
+
+def warm_and_cold(engine: Any, n: int) -> dict[str, dict[str, list[int]]]:
+    """Time ``pop_n(1)`` and one-block ``on_evicted_all`` on the final state, back to back and after a thrash."""
+    from time import perf_counter_ns
+
+    st = engine.scheduler.kv_cache_manager.block_pool._kvfabric_steering
+    index, policy = st.index, st.policy
+    index.__dict__.pop("pop_n", None)  # (the in-place timer)
+    table = index.owner.table
+    cached = [b for b in range(index.num_blocks) if table.hash[b] is not None]
+    if index.size < 2 or not cached:
+        raise SystemExit("the run ended with no cached candidates to time (use more --steps)")
+    buf = bytearray(THRASH_BYTES)
+    ones = bytes(len(buf[::64]))
+    out: dict[str, dict[str, list[int]]] = {"victim index pop_n(1)": {"warm": [], "cold": []},
+                                            "policy on_evicted_all, one block": {"warm": [], "cold": []}}
+    pops = min(n, index.size // 2)  # (each pop takes a candidate for good: putting it back would move others)
+    for kind in ("warm", "cold"):
+        for i in range(n):
+            if i < pops:
+                if kind == "cold":
+                    buf[::64] = ones
+                t0 = perf_counter_ns()
+                index.pop_n(1)
+                out["victim index pop_n(1)"][kind].append(perf_counter_ns() - t0)
+            if kind == "cold":
+                buf[::64] = ones
+            b = cached[i % len(cached)]
+            t0 = perf_counter_ns()
+            policy.on_evicted_all(table, [b], index.now)
+            out["policy on_evicted_all, one block"][kind].append(perf_counter_ns() - t0)
+    return out
+
+
+def _us(ns: list[int]) -> float:
+    return round(statistics.median(ns) / 1000, 2) if ns else 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=None, help="stop the run after this many steps (default: all)")
+    ap.add_argument("--samples", type=int, default=300, help="warm and cold calls timed, of each (default 300)")
+    ap.add_argument("--out", default="benchmarks/results/hook_calls.md", help="results file ('' for none)")
+    args = ap.parse_args()
+    if args.samples < 1:
+        ap.error("--samples must be at least 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    engine, samples, done = in_place(args.steps)
+    print(f"run: {done} steps in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    again = warm_and_cold(engine, args.samples)
+    summary: dict[str, Any] = {"steps": done, "samples": args.samples}
+    lines = [
+        "# One steering call inside vLLM's step, against warm and cold (CPU demo workload, `adaptive_aging`)",
+        "",
+        "Command: `python benchmarks/bench_hook_calls.py`"
+        + (f" `--steps {args.steps}`" if args.steps is not None else "")
+        + (f" `--samples {args.samples}`" if args.samples != 300 else "") + "  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{time.strftime('%Y-%m-%d')}  ",
+        "What: median µs per call, in place (inside the run) and, for two of them, on the final state back to back "
+        "(warm) and after a 32 MiB cache thrash (cold); see the script's docstring.",
+        "",
+        "| entry point | calls | in place, median µs | in place, total ms | warm µs | cold µs | in place / warm |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, ns in samples.items():
+        row = again.get(name)
+        warm = _us(row["warm"]) if row else None
+        cold = _us(row["cold"]) if row else None
+        key = name.split(" (")[0].replace(" ", "_").replace(",", "").replace("(1)", "_1")
+        summary[f"{key}_calls"] = len(ns)
+        summary[f"{key}_in_place_us"] = _us(ns)
+        if row:
+            summary[f"{key}_warm_us"] = warm
+            summary[f"{key}_cold_us"] = cold
+        ratio = f"{_us(ns) / warm:.1f}x" if warm else "-"
+        lines.append(f"| `{name}` | {len(ns):,} | {_us(ns)} | {sum(ns) / 1e6:.1f} | {warm if row else '-'} | "
+                     f"{cold if row else '-'} | {ratio} |")
+    lines += ["", "JSON:", "", "```", json.dumps(summary, sort_keys=True), "```", ""]
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines))
+    print("\n".join(lines[7:-5]))
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
