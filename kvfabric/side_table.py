@@ -33,6 +33,11 @@ INDEX_COLUMNS = frozenset({"hash", "parent", "parent_block"})
 """What the victim index reads itself (the parent link of its descendants-first rule): kept for every policy."""
 LEAN_COLUMNS = INDEX_COLUMNS | {"hits", "depth"}
 """What the lean operations keep (``protected`` and ``score`` are steering's own, written by it either way)."""
+CANDIDATE_COLUMNS = frozenset({"hash", "hits"})
+"""What a keeper keeps with no sealing at all, for a policy that reads nothing else: ``hits`` counted by touches and
+restarted when vLLM hands the block out for new content (:meth:`SideTable.forget_all`), ``hash`` written when the
+block becomes a candidate (:meth:`SideTable.name_all`, from vLLM's own block). The victim index then takes its
+parent links from the free itself (a request's blocks, tail first), not from ``parent`` / ``parent_block``."""
 
 
 class SideTable:
@@ -175,12 +180,21 @@ class SideTable:
                 hits[b] += 1
 
     def forget_all(self, ids: list[int]) -> None:
-        """:meth:`reset` of each of ``ids`` that holds content, keeping the lean columns only: the content is gone,
-        and the other lean columns are rewritten by the block's next :meth:`seal_run_lean` before anything reads
-        them."""
+        """:meth:`reset` of each of ``ids`` (handed out by vLLM for new content), keeping the lean columns only: the
+        content is gone and its hits with it; the other lean columns are rewritten by the block's next
+        :meth:`seal_run_lean` before anything reads them."""
         hashes = self.hash
+        hits = self.hits
         for b in ids:
             hashes[b] = None
+            hits[b] = 0
+
+    def name_all(self, ids: list[int], digests: list[int | None]) -> None:
+        """Blocks ``ids`` became candidates holding content ``digests`` (:data:`CANDIDATE_COLUMNS`: a keeper that
+        follows no sealing learns a block's digest here, from vLLM's own block)."""
+        hashes = self.hash
+        for b, h in zip(ids, digests, strict=True):
+            hashes[b] = h
 
     def clear(self) -> None:
         """Every block lost its content (a prefix-cache reset)."""

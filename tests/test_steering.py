@@ -27,7 +27,7 @@ from kvfabric.hook.install import Installation, build_hook
 from kvfabric.hook.steering import Steering, _hash_is_a_field_property, attach_steering
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.policies.base import EvictionPolicy
-from kvfabric.side_table import ALL_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS
+from kvfabric.side_table import ALL_COLUMNS, CANDIDATE_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS
 
 pytestmark = pytest.mark.vllm
 BLOCK = 16
@@ -486,7 +486,20 @@ def test_one_side_table_in_process_and_in_the_expander(policy: str) -> None:
     assert len(cached) >= 10
     reads = steering.policy.reads | INDEX_COLUMNS
     assert keeper.lean == (reads <= LEAN_COLUMNS)
-    if keeper.lean:  # lean columns are exact on cached blocks; elsewhere they may be stale (side_table.py)
+    assert keeper.sealless == (steering.policy.reads <= CANDIDATE_COLUMNS)
+    if keeper.sealless:
+        # No sealing followed: hash and hits are exact on the candidates (every cached block here: the run freed
+        # every request), and the index's parent links, taken from the frees' order, are the expander's own
+        # (from the sealings), wherever that parent still holds the content.
+        index = steering.index
+        assert index is not None and all(index.held[b] for b in cached)
+        for field in sorted(CANDIDATE_COLUMNS):
+            assert [getattr(mine, field)[b] for b in cached] == [getattr(theirs, field)[b] for b in cached], field
+        alive = [p if p >= 0 and theirs.hash[p] == theirs.parent[b] else -1
+                 for b, p in ((b, theirs.parent_block[b]) for b in cached)]
+        assert sum(p >= 0 for p in alive) >= len(cached) // 2  # (chains: most blocks have a parent)
+        assert [index.link[b] for b in cached] == alive
+    elif keeper.lean:  # lean columns are exact on cached blocks; elsewhere they may be stale (side_table.py)
         for field in sorted(reads & LEAN_COLUMNS):
             assert [getattr(mine, field)[b] for b in cached] == [getattr(theirs, field)[b] for b in cached], field
     else:  # the full table: every block, every column
@@ -499,6 +512,8 @@ def test_the_lean_keeper_serves_the_policies_that_read_only_lean_columns() -> No
     """Which built-in policies get the lean keeper (a change here changes the hook's cost: hook_overhead.md)."""
     lean = {p for p in LIVE_POLICIES if make_manager(8, p)[2].keeper.lean}  # type: ignore[union-attr]
     assert lean == {"adaptive_aging", "learned"}
+    sealless = {p for p in LIVE_POLICIES if make_manager(8, p)[2].keeper.sealless}  # type: ignore[union-attr]
+    assert sealless == {"adaptive_aging"}  # (hash and hits only: no sealing followed)
 
 
 def test_policy_statistics_without_recording_keep_family_and_last_use() -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvfabric import schema as S
 from kvfabric.hook import records as R
-from kvfabric.side_table import ALL_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS, SideTable
+from kvfabric.side_table import ALL_COLUMNS, CANDIDATE_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS, SideTable
 
 hash64 = S.hash64
 hash64_all = S.hash64_all
@@ -58,6 +58,7 @@ class Lifecycle:
         #: Whether only the side table's lean columns are kept (:data:`kvfabric.side_table.LEAN_COLUMNS`), with its
         #: lean operations: the keeper of a policy that reads nothing else sets it, and swaps in those handlers.
         self.lean = False
+        self.sealless = False  # (see StatisticsKeeper)
         self.null_block = null_block
         self.evicted_memory = evicted_memory
         self.regret_window_ns = int(regret_window_s * 1e9)
@@ -346,11 +347,17 @@ class StatisticsKeeper(Lifecycle):
         for op in (R.LOOKUP, R.ADMITTED, R.CANCELLED, R.DONE, R.LIMITED, R.RANKED, R.SCORED, R.LOST):
             del handlers[op]
         self.lean = (INDEX_COLUMNS | set(reads)) <= LEAN_COLUMNS
+        #: Whether the policy reads only :data:`~kvfabric.side_table.CANDIDATE_COLUMNS`: then no sealing is
+        #: followed (a call per sealing call on vLLM's path, benchmarks/results/hook_calls.md), and steering names
+        #: each candidate's content and gives the index its parent links from the free (``Steering.freed``).
+        self.sealless = self.lean and set(reads) <= CANDIDATE_COLUMNS
         if self.lean:
             handlers[R.ALLOCATED] = self._lean_allocated
             handlers[R.TOUCHED] = self._lean_touched
             handlers[R.SEALED] = self._lean_sealed
             del handlers[R.FREED]  # only ``last_use`` and the expander's ref counts move on a free
+        if self.sealless:
+            del handlers[R.SEALED]
         #: The handler of a record's op, or None when this keeper has nothing to do for it (the recorder's hot
         #: path looks it up itself: one call per record instead of two, none for the records it skips).
         self.handler: Callable[[int], Callable[[tuple], None] | None] = handlers.get

@@ -91,6 +91,10 @@ class Steering:
         #: Whether vLLM's ``KVCacheBlock.block_hash`` is a property over a ``_block_hash`` field (0.26, 0.33): read
         #: per block, the field costs an attribute load where the property costs a Python call.
         self.hash_field = False
+        #: Whether the keeper follows no sealing (``StatisticsKeeper.sealless``): frees then name the candidates'
+        #: content and give the index its parent links (:meth:`_freed_named`).
+        self.sealless = keeper is not None and keeper.sealless
+        self.null_block = 0  # the pool's null block (never a parent)
         self.victims = 0  # blocks the policy chose
         self.fallbacks = 0  # blocks taken from the head because the index had none (reset, unpinned blocks)
         self.stale = 0  # index entries found no longer free or no longer cached (skipped)
@@ -115,9 +119,10 @@ class Steering:
         if self.errors == 1:
             log.exception("kvfabric: steering %s failed; eviction falls back to vLLM's order where needed", where)
 
-    def add(self, ids: list[int]) -> None:
-        """Blocks ``ids`` (cached, unreferenced) became candidates together, in this order; their scores go out in
-        one ``SCORED`` record when events are recorded."""
+    def add(self, ids: list[int], parents: list[int] | None = None) -> None:
+        """Blocks ``ids`` (cached, unreferenced) became candidates together, in this order (``parents``: the block
+        holding each one's parent content, -1: none, where known); their scores go out in one ``SCORED`` record
+        when events are recorded."""
         index = self.index
         if index is None or not ids:
             return
@@ -125,7 +130,10 @@ class Steering:
             if any(map(index.held.__getitem__, ids)):
                 # Blocks coming back to the list were not in it: an entry they still have is stale (see above).
                 index.discard_all(ids)
-            ids, keys = index.add_many(ids, self.ctx)
+            if self.sealless and self.keeper is not None:
+                blocks = self.blocks
+                self.keeper.table.name_all(ids, S.hash64_all([blocks[b].block_hash for b in ids]))
+            ids, keys = index.add_many(ids, self.ctx, parents)
             pending = self.recorder.log
             if ids and pending is not None:
                 # Reported only: what reads scores and flags (event rows, ``eviction_candidates_ranked``) is the
@@ -143,6 +151,9 @@ class Steering:
         try:
             blocks = self.blocks
             ids, refs = rec[4], rec[5]
+            if self.sealless:
+                self._freed_named(ids, refs)
+                return
             if any(refs):  # (a request's last user frees all of its blocks: usually none is still referenced)
                 ids = [b for b, ref in zip(ids, refs, strict=True) if not ref]
             if self.hash_field:
@@ -153,6 +164,41 @@ class Steering:
             self.failed("add")
             return
         self.add(ids)
+
+    def _freed_named(self, ids: list[int], refs: list[int]) -> None:
+        """:meth:`freed` for a keeper that follows no sealing (``StatisticsKeeper.sealless``): the candidates'
+        digests come from vLLM's blocks here, and their parent links from the free's order. Inside
+        ``KVCacheManager.free`` (``ctx`` set), vLLM frees a request's blocks tail first: each block's parent
+        content is in the block after it, which the request held until now (so that block still holds it).
+        Other frees (a sliding window's dropped blocks, unpinned ones) give no links."""
+        blocks = self.blocks
+        raws = [blocks[b]._block_hash for b in ids] if self.hash_field else [blocks[b].block_hash for b in ids]
+        if self.ctx is None:
+            parents = None
+        else:
+            null = self.null_block
+            parents = [p if p != null else -1 for p in ids[1:]]
+            parents.append(-1)
+        if any(refs) or None in raws:  # (usually a request's last user frees all of its blocks, all cached)
+            keep = [i for i, (ref, h) in enumerate(zip(refs, raws, strict=True)) if not ref and h is not None]
+            ids = [ids[i] for i in keep]
+            raws = [raws[i] for i in keep]
+            if parents is not None:
+                parents = [parents[i] for i in keep]
+        index = self.index
+        if index is None or not ids:
+            return
+        try:
+            if any(map(index.held.__getitem__, ids)):
+                index.discard_all(ids)  # (stale entries: see :meth:`add`)
+            self.keeper.table.name_all(ids, S.hash64_all(raws))  # type: ignore[union-attr]
+            ids, keys = index.add_many(ids, self.ctx, parents)
+            pending = self.recorder.log
+            if ids and pending is not None:
+                scores, flags = index.policy.report(index.owner.table, ids, keys, index.now)
+                pending.append((R.SCORED, ids, scores, flags))
+        except Exception:
+            self.failed("add")
 
     def touched(self, rec: tuple) -> None:
         """A ``TOUCHED`` record (the keeper follows them here): its blocks are in use again, no longer candidates."""
@@ -459,6 +505,7 @@ def attach_steering(
         queue = pool.free_block_queue
         steering.blocks = pool.blocks
         steering.hash_field = _hash_is_a_field_property(pool.blocks)
+        steering.null_block = null_block
         hook_queue(queue, steering)
         keeper.follow(R.FREED, steering.freed)
         keeper.follow(R.TOUCHED, steering.touched)

@@ -82,11 +82,18 @@ class VictimIndex(ABC):
             return self.keys[b]
         return self.add_many([b], ctx)[1][0]
 
-    def add_many(self, ids: list[int], ctx: RequestInfo | None = None) -> tuple[list[int], list[float]]:
+    def add_many(self, ids: list[int], ctx: RequestInfo | None = None,
+                 parents: list[int] | None = None) -> tuple[list[int], list[float]]:
         """Blocks ``ids`` (distinct) became candidates together, in this order, freed by ``ctx``. Returns the
-        blocks added (those of ``ids`` not held already, in order) and their keys, clamped under held parents'."""
+        blocks added (those of ``ids`` not held already, in order) and their keys, clamped under held parents'.
+
+        ``parents``: the block holding each one's parent content (-1: none), when the caller knows it (the hook
+        does, from the order of a request's free); otherwise the links come from the table (``parent_block``,
+        checked against ``parent`` and ``hash``)."""
         held = self.held
         if any(map(held.__getitem__, ids)):
+            if parents is not None:
+                parents = [p for b, p in zip(ids, parents, strict=True) if not held[b]]
             ids = [b for b in ids if not held[b]]
         if not ids:
             return ids, []
@@ -95,6 +102,19 @@ class VictimIndex(ABC):
         own = self.keys
         link = self.link
         nkids = self.nkids
+        if parents is not None:
+            for i, b in enumerate(ids):
+                p = parents[i]
+                if p >= 0:
+                    if held[p] and own[p] < keys[i]:
+                        keys[i] = own[p]  # a child never outranks its held parent; ties go deeper-first
+                    link[b] = p
+                    nkids[p] += 1
+                held[b] = True
+                own[b] = keys[i]
+            self.size += len(ids)
+            self._insert_many(ids, keys)
+            return ids, keys
         head = ids[1:]
         parent_block = t.parent_block
         if head and [parent_block[b] for b in ids[:-1]] == head:
