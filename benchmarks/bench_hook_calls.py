@@ -6,8 +6,9 @@ Usage::
 
 Runs the CPU demo workload of ``bench_hook_overhead.py`` (vLLM 0.33's real scheduler, 640 blocks, zero-latency
 model) once with ``adaptive_aging`` and lifecycle recording (sink ``none``), timing each of steering's entry points
-per call with ``perf_counter_ns`` (about 0.1 µs per reading): the statistics keeper's record handlers (a free's and
-a touch's include following the record into the victim index), the free list's ``popleft_n``, the index's
+per call with ``perf_counter_ns`` (about 0.1 µs per reading): the statistics keeper's record handlers, those it
+has (a free's and a touch's include following the record into the victim index; a keeper that follows no sealing
+has no seal handler, so that row is absent), the free list's ``popleft_n``, the index's
 ``pop_n`` and the policy's ``on_evicted_all``. Those are *in place*: each call runs between stretches of vLLM's own
 work, which uses the caches in between.
 
