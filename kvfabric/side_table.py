@@ -30,7 +30,8 @@ from __future__ import annotations
 MAX_USERS = 8
 
 INDEX_COLUMNS = frozenset({"hash", "parent", "parent_block"})
-"""What the victim index reads itself (the parent link of its descendants-first rule): kept for every policy."""
+"""What the victim index reads itself (the parent link of its descendants-first rule): kept for every policy whose
+keeper follows sealings (a keeper of :data:`CANDIDATE_COLUMNS` does not: the index's links then come from frees)."""
 LEAN_COLUMNS = INDEX_COLUMNS | {"hits", "depth"}
 """What the lean operations keep (``protected`` and ``score`` are steering's own, written by it either way)."""
 CANDIDATE_COLUMNS = frozenset({"hash", "hits"})
