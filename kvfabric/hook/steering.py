@@ -119,10 +119,10 @@ class Steering:
         if self.errors == 1:
             log.exception("kvfabric: steering %s failed; eviction falls back to vLLM's order where needed", where)
 
-    def add(self, ids: list[int], parents: list[int] | None = None) -> None:
+    def add(self, ids: list[int], parents: list[int] | None = None, raws: list[Any] | None = None) -> None:
         """Blocks ``ids`` (cached, unreferenced) became candidates together, in this order (``parents``: the block
-        holding each one's parent content, -1: none, where known); their scores go out in one ``SCORED`` record
-        when events are recorded."""
+        holding each one's parent content, -1: none, where known; ``raws``: their vLLM hashes, where read
+        already); their scores go out in one ``SCORED`` record when events are recorded."""
         index = self.index
         if index is None or not ids:
             return
@@ -130,9 +130,11 @@ class Steering:
             if any(map(index.held.__getitem__, ids)):
                 # Blocks coming back to the list were not in it: an entry they still have is stale (see above).
                 index.discard_all(ids)
-            if self.sealless and self.keeper is not None:
-                blocks = self.blocks
-                self.keeper.table.name_all(ids, S.hash64_all([blocks[b].block_hash for b in ids]))
+            if self.sealless and self.keeper is not None:  # (the keeper learns their content here: see freed)
+                if raws is None:
+                    blocks = self.blocks
+                    raws = [blocks[b].block_hash for b in ids]
+                self.keeper.table.name_all(ids, S.hash64_all(raws))
             ids, keys = index.add_many(ids, self.ctx, parents)
             pending = self.recorder.log
             if ids and pending is not None:
@@ -185,20 +187,7 @@ class Steering:
             raws = [raws[i] for i in keep]
             if parents is not None:
                 parents = [parents[i] for i in keep]
-        index = self.index
-        if index is None or not ids:
-            return
-        try:
-            if any(map(index.held.__getitem__, ids)):
-                index.discard_all(ids)  # (stale entries: see :meth:`add`)
-            self.keeper.table.name_all(ids, S.hash64_all(raws))  # type: ignore[union-attr]
-            ids, keys = index.add_many(ids, self.ctx, parents)
-            pending = self.recorder.log
-            if ids and pending is not None:
-                scores, flags = index.policy.report(index.owner.table, ids, keys, index.now)
-                pending.append((R.SCORED, ids, scores, flags))
-        except Exception:
-            self.failed("add")
+        self.add(ids, parents, raws)
 
     def touched(self, rec: tuple) -> None:
         """A ``TOUCHED`` record (the keeper follows them here): its blocks are in use again, no longer candidates."""
