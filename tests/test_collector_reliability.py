@@ -275,6 +275,21 @@ def test_a_full_disk_makes_the_collector_unhealthy_holds_ingest_and_recovers(
     Two faults: no space at all with checkpoints far away (the commit's WAL write fails), and 1.5 MB left with a
     1 MB checkpoint threshold (commits succeed until the WAL passes the threshold; the checkpoint then fails and
     DuckDB invalidates the database: only closing and reopening it gets out of that)."""
+    # Which write runs out of space first in the second case is DuckDB's to decide: in some fresh-clone runs its
+    # WAL outgrew the 1.5 MB left before an automatic checkpoint ran, though the disk was never full on the way
+    # (FullDisk.fill). The collector must behave either way, and every round checks that; the reopen path needs
+    # the checkpoint to be the write that fails, so that case runs again (at most three rounds) until it is.
+    rounds = 3 if fault == "database reopened" else 1
+    for _ in range(rounds):
+        log = _full_disk_round(leave, threshold)
+        if fault in log:
+            break
+    assert fault in log
+
+
+def _full_disk_round(leave: int, threshold: str) -> str:
+    """One round of the test above: fill the disk under ingest, check the failing state, free the space, check
+    the recovery and that every event is stored once. Returns the collector's log."""
     with collector_on_small_disk() as (files, disk):
         proc = files.process(checkpoint_threshold=threshold).start()
         assert proc.proc is not None
@@ -304,11 +319,12 @@ def test_a_full_disk_makes_the_collector_unhealthy_holds_ingest_and_recovers(
             proc.stop()
         log = files.log()
         print(log[-6000:])
-        assert "storage failing" in log and "storage recovered" in log and fault in log
+        assert "storage failing" in log and "storage recovered" in log
         assert "Traceback" not in log
         got = stored_in(files.db_path, "run-disk")
         assert sink.lost_events == 0 and sink.accounted_events() == emitted
         assert got.events == emitted and got.distinct == emitted and got.reported_lost == 0
+        return log
 
 
 def test_stopping_on_a_full_disk_does_not_claim_a_flush_and_the_next_collector_gets_the_rows() -> None:
