@@ -92,7 +92,7 @@ class Steering:
         #: per block, the field costs an attribute load where the property costs a Python call.
         self.hash_field = False
         #: Whether the keeper follows no sealing (``StatisticsKeeper.sealless``): frees then name the candidates'
-        #: content and give the index its parent links (:meth:`_freed_named`).
+        #: content and give the index its parent links (:meth:`freed`).
         self.sealless = keeper is not None and keeper.sealless
         self.null_block = 0  # the pool's null block (never a parent)
         self.victims = 0  # blocks the policy chose
@@ -131,10 +131,7 @@ class Steering:
                 # Blocks coming back to the list were not in it: an entry they still have is stale (see above).
                 index.discard_all(ids)
             if self.sealless and self.keeper is not None:  # (the keeper learns their content here: see freed)
-                if raws is None:
-                    blocks = self.blocks
-                    raws = [blocks[b].block_hash for b in ids]
-                self.keeper.table.name_all(ids, S.hash64_all(raws))
+                self.keeper.table.name_all(ids, S.hash64_all(self._hashes(ids) if raws is None else raws))
             ids, keys = index.add_many(ids, self.ctx, parents)
             pending = self.recorder.log
             if ids and pending is not None:
@@ -147,47 +144,40 @@ class Steering:
 
     def freed(self, rec: tuple) -> None:
         """A ``FREED`` record (the keeper follows them here): blocks whose last reference went and that hold cached
-        content (vLLM's own hash, the truth) become candidates (the null block never holds any)."""
+        content (vLLM's own hash, the truth) become candidates (the null block never holds any).
+
+        With a keeper that follows no sealing (``StatisticsKeeper.sealless``) the candidates' hashes go to the
+        keeper (:meth:`add`), and their parent links come from the free's order: inside ``KVCacheManager.free``
+        (``ctx`` set), vLLM frees a request's blocks tail first, so each block's parent content is in the block
+        after it, which the request held until now (so that block still holds it). Other frees (a sliding
+        window's dropped blocks, unpinned ones) give no links."""
         if self.index is None:
             return
         try:
-            blocks = self.blocks
             ids, refs = rec[4], rec[5]
-            if self.sealless:
-                self._freed_named(ids, refs)
-                return
-            if any(refs):  # (a request's last user frees all of its blocks: usually none is still referenced)
-                ids = [b for b, ref in zip(ids, refs, strict=True) if not ref]
-            if self.hash_field:
-                ids = [b for b in ids if blocks[b]._block_hash is not None]
-            else:
-                ids = [b for b in ids if blocks[b].block_hash is not None]
+            raws = self._hashes(ids)
+            parents = None
+            if self.sealless and self.ctx is not None:
+                null = self.null_block
+                parents = [p if p != null else -1 for p in ids[1:]]
+                parents.append(-1)
+            if any(refs) or None in raws:  # (usually a request's last user frees all of its blocks, all cached)
+                keep = [i for i, (ref, h) in enumerate(zip(refs, raws, strict=True)) if not ref and h is not None]
+                ids = [ids[i] for i in keep]
+                raws = [raws[i] for i in keep]
+                if parents is not None:
+                    parents = [parents[i] for i in keep]
         except Exception:
             self.failed("add")
             return
-        self.add(ids)
-
-    def _freed_named(self, ids: list[int], refs: list[int]) -> None:
-        """:meth:`freed` for a keeper that follows no sealing (``StatisticsKeeper.sealless``): the candidates'
-        digests come from vLLM's blocks here, and their parent links from the free's order. Inside
-        ``KVCacheManager.free`` (``ctx`` set), vLLM frees a request's blocks tail first: each block's parent
-        content is in the block after it, which the request held until now (so that block still holds it).
-        Other frees (a sliding window's dropped blocks, unpinned ones) give no links."""
-        blocks = self.blocks
-        raws = [blocks[b]._block_hash for b in ids] if self.hash_field else [blocks[b].block_hash for b in ids]
-        if self.ctx is None:
-            parents = None
-        else:
-            null = self.null_block
-            parents = [p if p != null else -1 for p in ids[1:]]
-            parents.append(-1)
-        if any(refs) or None in raws:  # (usually a request's last user frees all of its blocks, all cached)
-            keep = [i for i, (ref, h) in enumerate(zip(refs, raws, strict=True)) if not ref and h is not None]
-            ids = [ids[i] for i in keep]
-            raws = [raws[i] for i in keep]
-            if parents is not None:
-                parents = [parents[i] for i in keep]
         self.add(ids, parents, raws)
+
+    def _hashes(self, ids: list[int]) -> list[Any]:
+        """vLLM's hashes of blocks ``ids`` (None: not cached), through the field where the property is only that."""
+        blocks = self.blocks
+        if self.hash_field:
+            return [blocks[b]._block_hash for b in ids]
+        return [blocks[b].block_hash for b in ids]
 
     def touched(self, rec: tuple) -> None:
         """A ``TOUCHED`` record (the keeper follows them here): its blocks are in use again, no longer candidates."""

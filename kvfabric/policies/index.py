@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from itertools import groupby
 from operator import itemgetter
 
-from kvfabric.policies.base import EvictionPolicy, RequestInfo, TableOwner
+from kvfabric.policies.base import BlockStats, EvictionPolicy, RequestInfo, TableOwner
 
 
 class VictimIndex(ABC):
@@ -102,53 +102,36 @@ class VictimIndex(ABC):
         own = self.keys
         link = self.link
         nkids = self.nkids
-        if parents is not None:
-            for i, b in enumerate(ids):
-                p = parents[i]
-                if p >= 0:
-                    if held[p] and own[p] < keys[i]:
-                        keys[i] = own[p]  # a child never outranks its held parent; ties go deeper-first
-                    link[b] = p
-                    nkids[p] += 1
-                held[b] = True
-                own[b] = keys[i]
-            self.size += len(ids)
-            self._insert_many(ids, keys)
-            return ids, keys
-        head = ids[1:]
-        parent_block = t.parent_block
-        if head and [parent_block[b] for b in ids[:-1]] == head:
-            # The usual free: one request's blocks, tail first, each sealed right after the next one (so that one
-            # holds its parent content: they are the same request's consecutive blocks). None of those parents is
-            # held yet, so no key is clamped: each is just linked. The chain's own parent, outside this call, is
-            # linked the general way below.
-            for b, p, key in zip(ids, head, keys, strict=False):  # (all but the last: head is one shorter)
-                held[b] = True
-                own[b] = key
+        if parents is None:
+            parents = self._table_parents(t, ids)
+        for i, b in enumerate(ids):
+            p = parents[i]
+            if p >= 0:
+                if held[p] and own[p] < keys[i]:
+                    keys[i] = own[p]  # a child never outranks its held parent; ties go deeper-first
                 link[b] = p
                 nkids[p] += 1
-            rest = len(ids) - 1
-        else:
-            rest = 0
-        parent = t.parent
-        hashes = t.hash
-        for i in range(rest, len(ids)):
-            b = ids[i]
-            # The parent link: the block holding b's parent content, if it still does (its hash is b's parent
-            # hash). A dead link (the parent was evicted, and maybe reused, since) is no link.
-            p = parent_block[b]
-            if p >= 0 and p != b:
-                ph = parent[b]
-                if ph is not None and hashes[p] == ph:
-                    if held[p] and own[p] < keys[i]:
-                        keys[i] = own[p]  # a child never outranks its held parent; ties go deeper-first
-                    link[b] = p
-                    nkids[p] += 1
             held[b] = True
             own[b] = keys[i]
         self.size += len(ids)
         self._insert_many(ids, keys)
         return ids, keys
+
+    @staticmethod
+    def _table_parents(t: BlockStats, ids: list[int]) -> list[int]:
+        """The block holding each of ``ids``' parent content, from the table (-1: none). A dead link (the parent
+        was evicted, and maybe reused, since: its hash is no longer the child's parent hash) is no link."""
+        parent_block = t.parent_block
+        parent = t.parent
+        hashes = t.hash
+        head = ids[1:]
+        # The usual free: one request's blocks, tail first, each sealed right after the next one (so that one holds
+        # its parent content: they are the same request's consecutive blocks). Only the chain's own parent, outside
+        # this call, needs checking then.
+        chain = bool(head) and [parent_block[b] for b in ids[:-1]] == head
+        live = [p if p >= 0 and p != b and parent[b] is not None and hashes[p] == parent[b] else -1
+                for b in (ids[-1:] if chain else ids) for p in (parent_block[b],)]
+        return head + live if chain else live
 
     def add_reported(self, ids: list[int], ctx: RequestInfo | None = None) -> tuple[list[int], list[float],
                                                                                  list[bool]]:
