@@ -159,7 +159,9 @@ class Steering:
             parents = None
             if self.sealless and self.ctx is not None:
                 null = self.null_block
-                parents = [p if p != null else -1 for p in ids[1:]]
+                parents = ids[1:]
+                if null in parents:  # (never along a full-attention request's blocks)
+                    parents = [p if p != null else -1 for p in parents]
                 parents.append(-1)
             if any(refs) or None in raws:  # (usually a request's last user frees all of its blocks, all cached)
                 keep = [i for i, (ref, h) in enumerate(zip(refs, raws, strict=True)) if not ref and h is not None]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from itertools import groupby
 from operator import itemgetter
@@ -347,9 +347,13 @@ class HeapIndex(VictimIndex):
     share one key), so most blocks join the end of a lane: the lane whose last key is the largest one not above
     theirs (patience sorting; a lane keeps its keys in arrival order and non-decreasing, so its head is its
     minimum). At most :attr:`LANES` lanes exist; a block that fits none goes to the heap. ``pop`` takes the least
-    of the lanes' heads and the heap's top. A lane's block leaves it in O(1) (an ordered dict), so touched blocks
-    leave nothing behind; heap entries are deleted lazily (stale ones are skipped at the top, and the heap is rebuilt
-    when they outnumber live ones), so memory stays O(n).
+    of the lanes' heads and the heap's top.
+
+    Deletion is lazy everywhere: a lane entry is one int, ``arrival * num_blocks + block``, and a heap entry carries
+    the arrival too; an entry stands for its block only while the block is held with that arrival (``entry``), so
+    a discard writes nothing here (most candidates are touched again before they could be evicted: a conversation's
+    next turn) and stale entries are skipped when they reach a head. When, after an add, entries outnumber twice the
+    held blocks (plus a constant), they are rebuilt away (:meth:`_compact`), so memory stays O(n).
     """
 
     #: Lanes at most. Each one costs a comparison per add and per pop; keys with a recency term need two or three
@@ -359,18 +363,17 @@ class HeapIndex(VictimIndex):
     def __init__(self, policy: EvictionPolicy, owner: TableOwner, num_blocks: int) -> None:
         super().__init__(policy, owner, num_blocks)
         self.heap: list[tuple[float, int, int]] = []
-        self.entry = [0] * num_blocks  # arrival number of each held block (heap entries carry it: lazy deletion)
+        self.entry = [0] * num_blocks  # arrival number of each held block (what its live entry carries)
         self.arrivals = 0
-        self.in_heap = 0  # held blocks whose entry is in the heap (or deferred from it)
-        self.lanes: list[OrderedDict[int, None]] = []
+        self.entries = 0  # entries in the lanes and the heap, live or stale
+        self.lanes: list[deque[int]] = []  # entries ``arrival * num_blocks + block``, arrival order
         self.tails: list[float] = []  # the last key added to each lane (-inf: the lane is empty)
-        self.lane_of = [-1] * num_blocks  # the lane of each held block, -1: the heap
 
     def _insert_many(self, ids: list[int], keys: list[float]) -> None:
         entry = self.entry
-        lane_of = self.lane_of
         lanes = self.lanes
         tails = self.tails
+        nb = self.num_blocks
         arrival = self.arrivals
         # A run of equal keys (a free's blocks of one class: often all of them) goes to one place.
         for key, run in groupby(zip(ids, keys, strict=True), _second):
@@ -381,52 +384,41 @@ class HeapIndex(VictimIndex):
                 if best <= tail <= key and (lane < 0 or tail > best):
                     lane, best = i, tail
             if lane < 0 and len(lanes) < self.LANES:
-                lanes.append(OrderedDict())
+                lanes.append(deque())
                 tails.append(-_INF)
                 lane = len(lanes) - 1
             if lane >= 0:
-                seg = lanes[lane]
+                append = lanes[lane].append
                 for b, _ in run:
                     arrival += 1
                     entry[b] = arrival
-                    lane_of[b] = lane
-                    seg[b] = None
+                    append(arrival * nb + b)
                 tails[lane] = key
             else:
                 heap = self.heap
                 for b, _ in run:
                     arrival += 1
                     entry[b] = arrival
-                    lane_of[b] = -1
-                    self.in_heap += 1
                     heapq.heappush(heap, (key, arrival, b))
+        self.entries += arrival - self.arrivals
         self.arrivals = arrival
-        if len(self.heap) > 2 * self.in_heap + 64:
+        if self.entries > 2 * self.size + 64:
             self._compact()
 
     def _remove_many(self, ids: list[int]) -> None:
-        lane_of = self.lane_of
-        lanes = self.lanes
-        entry = self.entry
-        for b in ids:
-            lane = lane_of[b]
-            if lane >= 0:
-                seg = lanes[lane]
-                del seg[b]
-                if not seg:
-                    self.tails[lane] = -_INF
-            else:
-                entry[b] = 0
-                self.in_heap -= 1
+        pass  # lazy: their entries no longer match (``held``), and are skipped at the heads
 
     def _take_run(self, limit: int) -> list[int]:
         # The least of the lanes' heads and the heap's top; from a lane, its following blocks too while they stay
         # below every other head (a lane is in order, so they come next).
         heap = self.heap
         entry = self.entry
-        while heap and entry[heap[0][2]] != heap[0][1]:
+        held = self.held
+        while heap and not (held[heap[0][2]] and entry[heap[0][2]] == heap[0][1]):
             heapq.heappop(heap)
+            self.entries -= 1
         keys = self.keys
+        nb = self.num_blocks
         best = -1
         lane = -1
         best_key = best_arrival = 0.0
@@ -435,46 +427,64 @@ class HeapIndex(VictimIndex):
         # (bound_key, bound_arrival): the second least head, above which a lane's run stops.
         bound_key = bound_arrival = _INF
         for i, seg in enumerate(self.lanes):
-            if seg:
-                b = next(iter(seg))
-                k = keys[b]
-                a = entry[b]
-                if best < 0 or k < best_key or (k == best_key and a < best_arrival):
-                    if best >= 0:
-                        bound_key, bound_arrival = best_key, best_arrival
-                    best, best_key, best_arrival, lane = b, k, a, i
-                elif k < bound_key or (k == bound_key and a < bound_arrival):
-                    bound_key, bound_arrival = k, a
+            while seg:
+                a, b = divmod(seg[0], nb)
+                if held[b] and entry[b] == a:
+                    break
+                seg.popleft()
+                self.entries -= 1
+            else:
+                self.tails[i] = -_INF
+                continue
+            k = keys[b]
+            if best < 0 or k < best_key or (k == best_key and a < best_arrival):
+                if best >= 0:
+                    bound_key, bound_arrival = best_key, best_arrival
+                best, best_key, best_arrival, lane = b, k, a, i
+            elif k < bound_key or (k == bound_key and a < bound_arrival):
+                bound_key, bound_arrival = k, a
         if best < 0:
             return []
         if lane < 0:
             heapq.heappop(heap)
-            self.in_heap -= 1
+            self.entries -= 1
             return [best]
         seg = self.lanes[lane]
         run = [best]
-        seg.popitem(last=False)
+        seg.popleft()
+        taken = 1
         while len(run) < limit and seg:
-            b = next(iter(seg))
-            k = keys[b]
-            if k > bound_key or (k == bound_key and entry[b] > bound_arrival):
-                break
-            seg.popitem(last=False)
-            run.append(b)
+            a, b = divmod(seg[0], nb)
+            if held[b] and entry[b] == a:
+                k = keys[b]
+                if k > bound_key or (k == bound_key and a > bound_arrival):
+                    break
+                run.append(b)
+            seg.popleft()
+            taken += 1
+        self.entries -= taken
         if not seg:
             self.tails[lane] = -_INF
         return run
 
     def _restore(self, b: int) -> None:
         # To the heap, whatever it came from: its lane may have emptied and taken smaller keys since (rare path).
-        self.lane_of[b] = -1
-        self.in_heap += 1
+        self.entries += 1
         heapq.heappush(self.heap, (self.keys[b], self.entry[b], b))
 
     def _compact(self) -> None:
+        """Drop stale entries (their blocks left, or came back with a new arrival)."""
         entry = self.entry
-        self.heap = [e for e in self.heap if entry[e[2]] == e[1]]
+        held = self.held
+        nb = self.num_blocks
+        self.heap = [e for e in self.heap if held[e[2]] and entry[e[2]] == e[1]]
         heapq.heapify(self.heap)
+        for i, seg in enumerate(self.lanes):
+            live = deque(c for c in seg if held[c % nb] and entry[c % nb] == c // nb)
+            self.lanes[i] = live
+            if not live:
+                self.tails[i] = -_INF
+        self.entries = len(self.heap) + sum(map(len, self.lanes))
 
 
 _INF = float("inf")
