@@ -20,6 +20,12 @@ round's own ratio (the modes of a round ran under the same machine speed); ``*_r
 one JSON object with ``off_vs_plain``, ``recording_vs_plain``, ``streaming_vs_plain``, ``adaptive_aging_vs_plain``
 and ``plain_spread``.
 
+How sure a run is about a target (:data:`TARGETS`, ``*_target_verdict``): the rounds' own ratios are independent
+draws around the mode's true median ratio, so the interval from their least to their greatest covers that median
+with probability 1 - 2 * 0.5**rounds (order statistics, no assumption about the noise): 94% for 5 rounds, 99.8% for
+10. A target is *met* when every round's ratio is at or under it, *not met* when every one is over it, and
+*undecided* otherwise: this run cannot tell, more rounds can.
+
 Also measures the per-operation cost of the hook at growing pool sizes (10^4 .. 10^6 blocks) by timing one
 allocate/free cycle of a fixed request on a pool of that size (the hook's cost must not grow with the pool).
 """
@@ -51,6 +57,25 @@ def _process_cpu_s(pid: int) -> float:
 
     stats = process_stats(pid)
     return float(stats["cpu_s"]) if stats is not None else 0.0
+
+
+TARGETS = {"off": 1.005, "streaming": 1.05, "adaptive_aging": 1.10}
+"""The CPU targets of the hook's cost, over plain (docs/design.md §9)."""
+
+
+def verdict(ratios: list[float], target: float) -> str:
+    """Whether the rounds' ratios put a mode's median ratio under ``target``: "met" (all at or under), "not met"
+    (all over) or "undecided"; see the module docstring for the confidence."""
+    if max(ratios) <= target:
+        return "met"
+    if min(ratios) > target:
+        return "not met"
+    return "undecided"
+
+
+def coverage(rounds: int) -> float:
+    """Probability that the least and the greatest of ``rounds`` independent ratios enclose their median."""
+    return 1 - 2 * 0.5 ** rounds
 
 
 CHUNK_STEPS = 50
@@ -232,6 +257,7 @@ def main() -> int:
     # rounds' own ratios is the estimate lockstep is built for; the ratio of medians (``*_vs_plain``, the
     # figure the targets were set on) mixes rounds when the machine's speed drifts between them.
     result |= {f"{m}_paired_vs_plain": round(statistics.median(v), 4) for m, v in round_ratios.items() if m != "plain"}
+    result |= {f"{m}_target_verdict": verdict(round_ratios[m], target) for m, target in TARGETS.items()}
 
     lines = [
         "# Hook overhead on vLLM's real scheduler (CPU)",
@@ -264,6 +290,13 @@ def main() -> int:
     lines += ["", f"Round-to-round spread of plain: {100 * spread:.1f}% CPU, {100 * result['plain_wall_spread']:.1f}% "
               "wall: the machine's speed from one round to the next, which lockstep cancels out of each round's "
               "ratios (their range per mode is the column 'each round vs plain').", ""]
+    lines += [f"Targets, judged on the rounds' own ratios (their least to greatest covers the true median ratio with "
+              f"{100 * coverage(args.rounds):.1f}% confidence for {args.rounds} rounds; see the script's docstring):",
+              "", "| mode | target | rounds at or under it | verdict |", "|---|---|---|---|"]
+    for m, target in TARGETS.items():
+        under = sum(x <= target for x in round_ratios[m])
+        lines.append(f"| {m} | <= {target:.3f}x | {under} of {args.rounds} | {result[f'{m}_target_verdict']} |")
+    lines.append("")
     if not args.no_per_op:
         sizes = [10_000, 100_000, 1_000_000]
         costs = {n: (per_op_cost(n, False), per_op_cost(n, True)) for n in sizes}

@@ -86,3 +86,15 @@ def test_call_timings_cover_each_entry_point_in_place_and_time_warm_and_cold(tmp
     for entry in ("victim_index_pop_n_1", "policy_on_evicted_all_one_block"):
         assert got[f"{entry}_warm_us"] > 0 and got[f"{entry}_cold_us"] > 0
     assert "| `allocation record (keeper)` |" in out.read_text()
+
+
+def test_a_target_is_judged_on_every_rounds_ratio() -> None:
+    """Met only when every round's ratio is at or under the target, not met only when every one is over it: one
+    round on the other side leaves the run undecided (the min-max interval of n rounds covers their median with
+    probability 1 - 2 * 0.5**n)."""
+    bench = _bench()
+    assert bench.verdict([1.04, 1.05, 1.03], 1.05) == "met"
+    assert bench.verdict([1.11, 1.12, 1.101], 1.10) == "not met"
+    assert bench.verdict([1.09, 1.12, 1.13], 1.10) == "undecided"
+    assert bench.coverage(5) == pytest.approx(0.9375) and bench.coverage(10) == pytest.approx(0.998046875)
+    assert set(bench.TARGETS) <= set(bench.MODES)

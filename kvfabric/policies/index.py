@@ -352,8 +352,10 @@ class HeapIndex(VictimIndex):
     Deletion is lazy everywhere: a lane entry is one int, ``arrival * num_blocks + block``, and a heap entry carries
     the arrival too; an entry stands for its block only while the block is held with that arrival (``entry``), so
     a discard writes nothing here (most candidates are touched again before they could be evicted: a conversation's
-    next turn) and stale entries are skipped when they reach a head. When, after an add, entries outnumber twice the
-    held blocks (plus a constant), they are rebuilt away (:meth:`_compact`), so memory stays O(n).
+    next turn) and stale entries are skipped when they reach a head. When, after an add, entries outnumber four times
+    the pool (plus a constant), they are rebuilt away (:meth:`_compact`): memory stays O(pool), as the index's
+    per-block lists are, and a rebuild visits few live entries per stale one it drops (at most a quarter of what it
+    visits is live).
     """
 
     #: Lanes at most. Each one costs a comparison per add and per pop; keys with a recency term need two or three
@@ -402,7 +404,7 @@ class HeapIndex(VictimIndex):
                     heapq.heappush(heap, (key, arrival, b))
         self.entries += arrival - self.arrivals
         self.arrivals = arrival
-        if self.entries > 2 * self.size + 64:
+        if self.entries > 4 * self.num_blocks + 64:
             self._compact()
 
     def _remove_many(self, ids: list[int]) -> None:
