@@ -92,6 +92,7 @@ class Checker:
         self.steering = steering
         self.reorders = reorders
         self.evictions = 0
+        self.victims: list[int] = []
         self.violations: list[str] = []
         pool = self.pool
         original_get = type(pool).get_new_blocks
@@ -155,7 +156,9 @@ OPS = st.lists(
 )
 
 
-def run_ops(ops: list[tuple], policy: str, num_blocks: int, anchor: int | None) -> Checker:
+def run_ops(ops: list[tuple], policy: str, num_blocks: int, anchor: int | None, *, one_by_one: bool = True) -> Checker:
+    """Run ``ops``, then free everything and evict all that is cached: one block per call (``one_by_one``, the
+    eviction path's usual call) or in one call. ``checker.victims``: the cached blocks in the order they went."""
     manager, inst, steering = make_manager(num_blocks, policy, anchor)
     checker = Checker(manager, inst, steering, reorders=policy != "lru")
     pool = manager.block_pool
@@ -189,8 +192,13 @@ def run_ops(ops: list[tuple], policy: str, num_blocks: int, anchor: int | None) 
     while running:
         manager.free(running.pop())
         checker.check()
-    # Then evict everything cached, one block per call (the policy's order), checking every eviction.
-    taken = [pool.get_new_blocks(1)[0] for _ in range(pool.get_num_free_blocks())]
+    # Then evict everything cached (the policy's order), checking every eviction.
+    cached = {b.block_id for b in free_list(pool) if b.block_hash is not None}
+    if one_by_one:
+        taken = [pool.get_new_blocks(1)[0] for _ in range(pool.get_num_free_blocks())]
+    else:
+        taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    checker.victims = [b.block_id for b in taken if b.block_id in cached]
     checker.check()
     pool.free_blocks(taken)
     checker.check()
@@ -203,6 +211,19 @@ def run_ops(ops: list[tuple], policy: str, num_blocks: int, anchor: int | None) 
 def test_invariants_hold_under_random_operations(policy: str, ops: list[tuple], num_blocks: int,
                                                  anchor: int | None) -> None:
     run_ops(ops, policy, num_blocks, anchor)
+
+
+@pytest.mark.parametrize("policy", REORDERING)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, num_blocks=st.integers(6, 24))
+def test_one_block_at_a_time_evicts_what_one_call_for_all_evicts(policy: str, ops: list[tuple],
+                                                                 num_blocks: int) -> None:
+    """vLLM's usual eviction (one block per call: a decoding request's next block) takes a path of its own
+    (``_evict_one``, ``HeapIndex.pop``); it hands out the same victims, in the same order, as the general path."""
+    one = run_ops(ops, policy, num_blocks, 0, one_by_one=True)
+    every = run_ops(ops, policy, num_blocks, 0, one_by_one=False)
+    assert one.victims == every.victims
+    assert one.steering is not None and one.steering.stale == every.steering.stale == 0
 
 
 @pytest.mark.parametrize("policy", REORDERING)

@@ -105,13 +105,15 @@ class Steering:
         #: Whether victim choices are reported too (``RANKED``, which the expander summarises as
         #: ``eviction_candidates_ranked`` from those scores and flags: the policy ranks).
         self.ranked = self.reports and policy is not None and policy.ranked
-        # The policy's eviction observer, or None when it keeps the base class's no-op (saves a call per eviction).
-        self.on_evicted = (
-            policy.on_evicted_all
-            if policy is not None and (type(policy).on_evicted is not EvictionPolicy.on_evicted
-                                       or type(policy).on_evicted_all is not EvictionPolicy.on_evicted_all)
-            else None
-        )
+        # The policy's eviction observers (of several blocks, of one block), or None when it keeps the base class's
+        # no-ops (saves a call per eviction).
+        self.on_evicted: Callable[[Any, list[int], int], None] | None = None
+        self.on_evicted_one: Callable[[Any, int, int], None] | None = None
+        if policy is not None and (type(policy).on_evicted is not EvictionPolicy.on_evicted
+                                   or type(policy).on_evicted_all is not EvictionPolicy.on_evicted_all):
+            all_ = self.on_evicted = policy.on_evicted_all
+            self.on_evicted_one = (policy.on_evicted if type(policy).on_evicted is not EvictionPolicy.on_evicted
+                                   else lambda t, b, now: all_(t, [b], now))
 
     def failed(self, where: str) -> None:
         """A steering step failed: count it, log once; vLLM's own call is never affected."""
@@ -224,6 +226,10 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
         return []
     assert self.num_free_blocks >= n  # vLLM's own precondition (get_new_blocks checks it first)
     st = self._kv_steering
+    if n == 1:
+        blk = _evict_one(self, st)
+        if blk is not None:
+            return [blk]
     if st.index is not None and not st.recorder.on:
         st.stop_index()
     index = st.index
@@ -294,6 +300,43 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
         if st.ranked and r.log is not None:
             r.log.append((R.RANKED, r.clock(), r.step, r.rid, chosen))
     return out
+
+
+def _evict_one(self: Any, st: Steering) -> Any | None:
+    """The usual hand-out of one block (vLLM allocates a decoding request's blocks one at a time) when no uncached
+    block is at the head: the policy's victim, taken as :func:`_popleft_n` takes victims but without its lists.
+    None where :func:`_popleft_n` must decide (no index, an uncached head, a stale victim, a failure); a stale entry
+    popped here is counted and gone, and the general path takes the next one."""
+    index = st.index
+    if index is None or not st.recorder.on:
+        return None
+    blk = self.fake_free_list_head.next_free_block
+    if blk is None or blk is self.fake_free_list_tail or (blk._block_hash if st.hash_field else blk.block_hash) is None:
+        return None
+    try:
+        b = index.pop()
+        if b is None:
+            return None
+        blk = st.blocks[b]
+        if blk.prev_free_block is None or blk.ref_cnt != 0:  # (re-validated, as in _popleft_n)
+            st.stale += 1
+            return None
+        type(self).remove(self, blk)
+    except Exception:
+        st.failed("victim choice")
+        return None
+    now = index.now
+    index.now = now + 1
+    st.victims += 1
+    if st.on_evicted_one is not None:
+        try:
+            st.on_evicted_one(index.owner.table, b, now)
+        except Exception:
+            st.failed("victim choice")
+    r = st.recorder
+    if st.ranked and r.log is not None:
+        r.log.append((R.RANKED, r.clock(), r.step, r.rid, [b]))
+    return blk
 
 
 QUEUE_HOOKS: dict[str, Callable[..., Any]] = {

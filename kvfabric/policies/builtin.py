@@ -104,7 +104,11 @@ class _GhostSet:
         self.previous: set[int] = set()
 
     def add(self, h: int) -> None:
-        self.add_all([h])
+        current = self.current
+        current.add(h)
+        if len(current) >= self.capacity // 2:
+            self.previous = current
+            self.current = set()
 
     def add_all(self, hs: list[int]) -> None:
         """:meth:`add` of each of ``hs``, in order."""
@@ -244,7 +248,13 @@ class AdaptiveAgingPolicy(EvictionPolicy):
             self.promoted.add(h)
 
     def on_evicted(self, t: BlockStats, b: int, now: int) -> None:
-        self.on_evicted_all(t, [b], now)
+        # (The one-block eviction, vLLM's usual one: no lists.)
+        h = t.hash[b]
+        if h is None:
+            return
+        if self.promoted:
+            self.promoted.discard(h)
+        (self.ghost_proven if self.proven_cls[b] else self.ghost_unproven).add(h)
 
     def on_evicted_all(self, t: BlockStats, ids: list[int], now: int) -> None:
         hashes = t.hash

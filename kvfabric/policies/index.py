@@ -65,6 +65,10 @@ class VictimIndex(ABC):
         policy.bind(num_blocks)
         policy.bind_index(self)
 
+    #: Whether the ordering structure must be told of blocks that leave it (:meth:`_remove_many`); one that
+    #: deletes lazily (:class:`HeapIndex`) is not.
+    REMOVES = True
+
     def __len__(self) -> int:
         return self.size
 
@@ -164,8 +168,9 @@ class VictimIndex(ABC):
         deferred = self.deferred
         link = self.link
         nkids = self.nkids
+        removes = self.REMOVES
         placed: list[int] = []  # held blocks in the ordering structure (a deferred one is set aside from it)
-        orphaned: list[int] = []  # parents whose last held child left here: deferred ones go back, below
+        orphaned: list[int] = []  # deferred parents whose last held child left here: they go back, below
         gone = 0
         for b in ids:
             if not held[b]:
@@ -174,13 +179,13 @@ class VictimIndex(ABC):
             gone += 1
             if deferred[b]:
                 deferred[b] = False
-            else:
+            elif removes:
                 placed.append(b)
             p = link[b]
             if p >= 0:  # (:meth:`_unlink`, without a call per touched block)
                 link[b] = -1
                 nkids[p] -= 1
-                if not nkids[p]:
+                if not nkids[p] and deferred[p]:
                     orphaned.append(p)
         self.size -= gone
         if placed:
@@ -407,12 +412,15 @@ class HeapIndex(VictimIndex):
         if self.entries > 4 * self.num_blocks + 64:
             self._compact()
 
-    def _remove_many(self, ids: list[int]) -> None:
-        pass  # lazy: their entries no longer match (``held``), and are skipped at the heads
+    REMOVES = False  # (lazy: a block's entries no longer match once it left, and are skipped at the heads)
 
-    def _take_run(self, limit: int) -> list[int]:
-        # The least of the lanes' heads and the heap's top; from a lane, its following blocks too while they stay
-        # below every other head (a lane is in order, so they come next).
+    def _remove_many(self, ids: list[int]) -> None:
+        pass
+
+    def _least_head(self) -> tuple[int, int, float, float, float, float]:
+        """The held block with the lowest ``(key, arrival)`` at the heads (stale heads dropped on the way):
+        (block, its lane or -1 for the heap, key, arrival, and the second least head's key and arrival, +inf when
+        none); block -1 when nothing is held."""
         heap = self.heap
         entry = self.entry
         held = self.held
@@ -426,7 +434,6 @@ class HeapIndex(VictimIndex):
         best_key = best_arrival = 0.0
         if heap:
             best_key, best_arrival, best = heap[0]
-        # (bound_key, bound_arrival): the second least head, above which a lane's run stops.
         bound_key = bound_arrival = _INF
         for i, seg in enumerate(self.lanes):
             while seg:
@@ -445,12 +452,44 @@ class HeapIndex(VictimIndex):
                 best, best_key, best_arrival, lane = b, k, a, i
             elif k < bound_key or (k == bound_key and a < bound_arrival):
                 bound_key, bound_arrival = k, a
+        return best, lane, best_key, best_arrival, bound_key, bound_arrival
+
+    def pop(self) -> int | None:
+        """:meth:`pop_n` of one, without its lists: the eviction path's usual call (vLLM allocates a decoding
+        request's blocks one at a time). A head with held children takes :meth:`pop_n`'s way (it is deferred)."""
+        best, lane, _, _, _, _ = self._least_head()
+        if best < 0:
+            return None
+        if self.nkids[best]:
+            return super().pop()
+        if lane < 0:
+            heapq.heappop(self.heap)
+        else:
+            seg = self.lanes[lane]
+            seg.popleft()
+            if not seg:
+                self.tails[lane] = -_INF
+        self.entries -= 1
+        self.held[best] = False
+        self.size -= 1
+        if self.link[best] >= 0:
+            self._unlink(best)  # (a deferred parent it puts back goes to the heap: nothing was taken after it)
+        return best
+
+    def _take_run(self, limit: int) -> list[int]:
+        # The least head; from a lane, its following blocks too while they stay below every other head (a lane is
+        # in order, so they come next).
+        best, lane, _, _, bound_key, bound_arrival = self._least_head()
         if best < 0:
             return []
         if lane < 0:
-            heapq.heappop(heap)
+            heapq.heappop(self.heap)
             self.entries -= 1
             return [best]
+        held = self.held
+        entry = self.entry
+        keys = self.keys
+        nb = self.num_blocks
         seg = self.lanes[lane]
         run = [best]
         seg.popleft()
