@@ -13,6 +13,8 @@ so drift and noise hit every arm alike. Arms:
   lru_nosink  the same recording with KVFABRIC_SINK=none: the scheduler thread's share of the cost alone
   lru_before  the same with the hook of an earlier revision (``--before DIR``: a checkout's ``kvfabric`` package,
               put first on that worker's PYTHONPATH), for a side-by-side before/after
+  adaptive_aging  ``lru`` with KVFABRIC_EVICTION_POLICY=adaptive_aging: the policy's index, statistics and queue
+              hook on the scheduler thread (it changes which blocks stay cached: compare ``cached_tokens``)
 
 Engine slots: every engine process is resident for the whole run, and on a CPU-bound shape (0.5B) where the
 scheduler, the EngineCore and the forwarder land on the host's cores moved whole arms by 20-40 % between two runs
@@ -325,9 +327,11 @@ def main() -> int:
     t0 = time.time()
     for i, name in enumerate(names):
         env = dict(base)
-        if name.startswith("lru"):
+        if name.startswith("lru") or name == "adaptive_aging":
             env |= {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": f"unix://{sock}", "KVFABRIC_RUN_ID": f"ovh-{name}",
                     "KVFABRIC_ENGINE_ID": f"h200-{name}"}
+        if name == "adaptive_aging":
+            env["KVFABRIC_EVICTION_POLICY"] = "adaptive_aging"
         if name == "lru_nosink":
             env["KVFABRIC_SINK"] = "none"  # recording on the scheduler thread, no forwarder, nothing sent
         if name == "lru_before":

@@ -53,6 +53,9 @@ RUNS: dict[str, tuple[str, str]] = {
     "8b-r6": ("Llama-3-8B shape, 6 rounds, revision 049013f, pinned",
               "python3 benchmarks/gpu/h200_overhead.py --out $OUT/8b-r6 --shape llama-3-8b --rounds 6 --scale 1.5 "
               "--arms plain,kv_events,lru,lru_nosink"),
+    "8b-r7": ("Llama-3-8B shape, 6 rounds, revision REV, pinned, with `adaptive_aging` steering",
+              "python3 benchmarks/gpu/h200_overhead.py --out $OUT/8b-r7 --shape llama-3-8b --rounds 6 --scale 1.5 "
+              "--arms plain,kv_events,lru,adaptive_aging"),
 }
 
 #: Runs of one revision and shape with the arms in opposite engine slots: taken together, the slot's effect cancels
@@ -69,6 +72,7 @@ ARM_TEXT = {
     "lru": "KVFabric streaming to a collector (the run's revision)",
     "lru_nosink": "KVFabric recording, `KVFABRIC_SINK=none` (the run's revision)",
     "lru_before": "KVFabric streaming, revision fab6a7f (before issue 7)",
+    "adaptive_aging": "KVFabric streaming with `adaptive_aging` steering (the run's revision)",
 }
 
 
@@ -98,16 +102,18 @@ def _f(x: float | None, fmt: str) -> str:
 
 def run_table(summary: dict[str, Any]) -> list[str]:
     lines = ["| arm | what | wall mean s | min-max s | spread | wall vs plain | tok/s vs plain | outputs = plain | "
-             "EngineCore CPU s | forwarder CPU s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "EngineCore CPU s | forwarder CPU s | prefix-cache hit tokens per round |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, e in summary["arms"].items():
         cpu = e.get("cpu_s_mean", {})
+        hits = e.get("cached_tokens") or []
         lines.append(
             f"| {arm} | {ARM_TEXT.get(arm, arm)} | {e['wall_mean_s']:.2f} | "
             f"{e['wall_min_s']:.2f}-{e['wall_max_s']:.2f} | {100 * e['wall_spread']:.1f}% | "
             f"{_f(e.get('wall_vs_plain'), '.3f')}x | "
             f"{_f(e.get('throughput_vs_plain'), '.3f')}x | {e.get('outputs_identical_to_plain')} | "
-            f"{_f(cpu.get('engine_core'), '.2f')} | {_f(cpu.get('forwarder'), '.2f')} |")
+            f"{_f(cpu.get('engine_core'), '.2f')} | {_f(cpu.get('forwarder'), '.2f')} | "
+            f"{', '.join(sorted({f'{h:,}' for h in hits})) if hits else '-'} |")
     return lines
 
 
