@@ -53,9 +53,18 @@ RUNS: dict[str, tuple[str, str]] = {
     "8b-r6": ("Llama-3-8B shape, 6 rounds, revision 049013f, pinned",
               "python3 benchmarks/gpu/h200_overhead.py --out $OUT/8b-r6 --shape llama-3-8b --rounds 6 --scale 1.5 "
               "--arms plain,kv_events,lru,lru_nosink"),
-    "8b-r7": ("Llama-3-8B shape, 6 rounds, revision REV, pinned, with `adaptive_aging` steering",
+    "8b-r7": ("Llama-3-8B shape, 6 rounds, revision e044d86, pinned, with `adaptive_aging` steering",
               "python3 benchmarks/gpu/h200_overhead.py --out $OUT/8b-r7 --shape llama-3-8b --rounds 6 --scale 1.5 "
-              "--arms plain,kv_events,lru,adaptive_aging"),
+              "--arms plain,lru,adaptive_aging"),
+    "8b-r8": ("Llama-3-8B shape, 6 rounds, revision e044d86, pinned, the engine slots reversed (plain last)",
+              "python3 benchmarks/gpu/h200_overhead.py --out $OUT/8b-r8 --shape llama-3-8b --rounds 6 --scale 1.5 "
+              "--arms adaptive_aging,lru,plain"),
+    "q05b-r6": ("Qwen2-0.5B shape, 5 rounds, revision e044d86, pinned, with `adaptive_aging` steering",
+                "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r6 --shape qwen2-0.5b --rounds 5 --scale 3 "
+                "--arms plain,lru,adaptive_aging"),
+    "q05b-r7": ("Qwen2-0.5B shape, 5 rounds, revision e044d86, pinned, the engine slots reversed (plain last)",
+                "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r7 --shape qwen2-0.5b --rounds 5 --scale 3 "
+                "--arms adaptive_aging,lru,plain"),
 }
 
 #: Runs of one revision and shape with the arms in opposite engine slots: taken together, the slot's effect cancels
@@ -64,6 +73,8 @@ RUNS: dict[str, tuple[str, str]] = {
 POOLS: dict[str, tuple[str, ...]] = {
     "q05b-r2+r3": ("q05b-r2", "q05b-r3"),
     "q05b-r4+r5 (pinned)": ("q05b-r4", "q05b-r5"),
+    "8b-r7+r8 (adaptive_aging)": ("8b-r7", "8b-r8"),
+    "q05b-r6+r7 (adaptive_aging)": ("q05b-r6", "q05b-r7"),
 }
 
 ARM_TEXT = {
@@ -123,12 +134,20 @@ def pool_table(pool: str, names: tuple[str, ...], summaries: list[dict[str, Any]
     if len(summaries) < 2:
         return []
     lines = [f"## {pool}: the runs together (engine slots in opposite orders)", "",
-             "| arm | " + " | ".join(f"tok/s vs plain, {n}" for n in names) + " | geometric mean |",
-             "|---|" + "---|" * (len(names) + 1)]
+             "| arm | " + " | ".join(f"tok/s vs plain, {n}" for n in names) + " | geometric mean | "
+             "EngineCore CPU s vs plain, geometric mean |",
+             "|---|" + "---|" * (len(names) + 2)]
+
+    def core_s(s: dict[str, Any], arm: str) -> float | None:
+        return s["arms"][arm].get("cpu_s_mean", {}).get("engine_core")
+
     for arm in summaries[0]["arms"]:
         ratios = [s["arms"][arm]["throughput_vs_plain"] for s in summaries]
+        cores = [(core_s(s, arm), core_s(s, "plain")) for s in summaries]
+        cpu = (math.prod(a / b for a, b in cores) ** (1 / len(cores))
+               if all(a and b for a, b in cores) else None)
         lines.append(f"| {arm} | " + " | ".join(f"{r:.3f}x" for r in ratios)
-                     + f" | {math.prod(ratios) ** (1 / len(ratios)):.3f}x |")
+                     + f" | {math.prod(ratios) ** (1 / len(ratios)):.3f}x | {_f(cpu, '.3f')}x |")
     return [*lines, ""]
 
 
