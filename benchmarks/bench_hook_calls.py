@@ -8,12 +8,12 @@ Runs the CPU demo workload of ``bench_hook_overhead.py`` (vLLM 0.33's real sched
 model) once with ``adaptive_aging`` and lifecycle recording (sink ``none``), timing each of steering's entry points
 per call with ``perf_counter_ns`` (about 0.1 µs per reading): the statistics keeper's record handlers, those it
 has (a free's and a touch's include following the record into the victim index; a keeper that follows no sealing
-has no seal handler, so that row is absent), the free list's ``popleft_n``, the index's
-``pop_n`` and the policy's ``on_evicted_all``. Those are *in place*: each call runs between stretches of vLLM's own
-work, which uses the caches in between.
+has no seal handler, so that row is absent), the free list's ``popleft_n``, and the two halves of vLLM's usual
+eviction, one block per call: the index's ``pop`` and the policy's ``on_evicted``. Those are *in place*: each
+call runs between stretches of vLLM's own work, which uses the caches in between.
 
 Then, on the run's final state, two of those calls are timed again ``--samples`` times each: taking one victim
-(``pop_n(1)``, at most half the candidates left) and entering one eviction (``on_evicted_all`` of one block):
+(``pop``, at most half the candidates left) and entering one eviction (``on_evicted`` of one block):
 
 * *warm*: back to back, so the code and data they touch are in the CPU's caches;
 * *cold*: each after writing one byte per 64 of a 32 MiB buffer, which pushes them out.
@@ -69,7 +69,7 @@ def in_place(steps: int | None) -> tuple[Any, dict[str, list[int]], int]:
     engine.add_workload(demo_workload(seed=0))
     inst = getattr(engine.scheduler, "_kvfabric", None)
     st = getattr(inst, "steering", None)
-    if st is None or st.index is None or st.keeper is None or st.on_evicted is None:
+    if st is None or st.index is None or st.keeper is None or st.on_evicted_one is None:
         raise SystemExit("adaptive_aging's steering was not attached as expected")
     samples: dict[str, list[int]] = collections.defaultdict(list)
     keeper = st.keeper
@@ -81,9 +81,8 @@ def in_place(steps: int | None) -> tuple[Any, dict[str, list[int]], int]:
     keeper.handler = keeper._handlers.get  # (the recorder looks handlers up through this)
     queue = engine.scheduler.kv_cache_manager.block_pool.free_block_queue
     queue.popleft_n = _timed(samples["free list popleft_n(1)"], queue.popleft_n, only=lambda n: n == 1)
-    st.index.pop_n = _timed(samples["victim index pop_n(1)"], st.index.pop_n, only=lambda n: n == 1)
-    st.on_evicted = _timed(samples["policy on_evicted_all, one block"], st.on_evicted,
-                           only=lambda t, ids, now: len(ids) == 1)
+    st.index.pop = _timed(samples["victim index pop()"], st.index.pop)
+    st.on_evicted_one = _timed(samples["policy on_evicted, one block"], st.on_evicted_one)
     done = 0
     while engine.has_unfinished() and (steps is None or done < steps):
         engine.step()
@@ -93,20 +92,20 @@ def in_place(steps: int | None) -> tuple[Any, dict[str, list[int]], int]:
 
 
 def warm_and_cold(engine: Any, n: int) -> dict[str, dict[str, list[int]]]:
-    """Time ``pop_n(1)`` and one-block ``on_evicted_all`` on the final state, back to back and after a thrash."""
+    """Time ``pop()`` and ``on_evicted`` of one block on the final state, back to back and after a thrash."""
     from time import perf_counter_ns
 
     st = engine.scheduler.kv_cache_manager.block_pool._kvfabric_steering
     index, policy = st.index, st.policy
-    index.__dict__.pop("pop_n", None)  # (the in-place timer)
+    index.__dict__.pop("pop", None)  # (the in-place timer)
     table = index.owner.table
     cached = [b for b in range(index.num_blocks) if table.hash[b] is not None]
     if index.size < 2 or not cached:
         raise SystemExit("the run ended with no cached candidates to time (use more --steps)")
     buf = bytearray(THRASH_BYTES)
     ones = bytes(len(buf[::64]))
-    out: dict[str, dict[str, list[int]]] = {"victim index pop_n(1)": {"warm": [], "cold": []},
-                                            "policy on_evicted_all, one block": {"warm": [], "cold": []}}
+    out: dict[str, dict[str, list[int]]] = {"victim index pop()": {"warm": [], "cold": []},
+                                            "policy on_evicted, one block": {"warm": [], "cold": []}}
     pops = min(n, index.size // 2)  # (each pop takes a candidate for good: putting it back would move others)
     for kind in ("warm", "cold"):
         for i in range(n):
@@ -114,14 +113,14 @@ def warm_and_cold(engine: Any, n: int) -> dict[str, dict[str, list[int]]]:
                 if kind == "cold":
                     buf[::64] = ones
                 t0 = perf_counter_ns()
-                index.pop_n(1)
-                out["victim index pop_n(1)"][kind].append(perf_counter_ns() - t0)
+                index.pop()
+                out["victim index pop()"][kind].append(perf_counter_ns() - t0)
             if kind == "cold":
                 buf[::64] = ones
             b = cached[i % len(cached)]
             t0 = perf_counter_ns()
-            policy.on_evicted_all(table, [b], index.now)
-            out["policy on_evicted_all, one block"][kind].append(perf_counter_ns() - t0)
+            policy.on_evicted(table, b, index.now)
+            out["policy on_evicted, one block"][kind].append(perf_counter_ns() - t0)
     return out
 
 
@@ -161,7 +160,7 @@ def main() -> int:
         row = again.get(name)
         warm = _us(row["warm"]) if row else None
         cold = _us(row["cold"]) if row else None
-        key = name.split(" (")[0].replace(" ", "_").replace(",", "").replace("(1)", "_1")
+        key = name.split(" (")[0].replace(" ", "_").replace(",", "").replace("(1)", "_1").replace("()", "")
         summary[f"{key}_calls"] = len(ns)
         summary[f"{key}_in_place_us"] = _us(ns)
         if row:
