@@ -154,8 +154,9 @@ def hash64_all(block_hashes: Sequence[object]) -> list[int | None]:
     n = len(block_hashes)
     if n > 1:
         try:
-            lengths = set(map(len, block_hashes))  # (TypeError: a None or an int among them)
-        except TypeError:
+            lengths = set(map(len, block_hashes))
+            joined = b"".join(block_hashes)  # type: ignore[arg-type]
+        except TypeError:  # (a None, an int or a str among them)
             lengths = set()
         if len(lengths) == 1 and (size := lengths.pop()) >= 8:
             unpack = _UNPACKERS.get((n, size))
@@ -163,12 +164,7 @@ def hash64_all(block_hashes: Sequence[object]) -> list[int | None]:
                 if len(_UNPACKERS) >= 512:  # (bounded: one per record length seen)
                     _UNPACKERS.clear()
                 unpack = _UNPACKERS[n, size] = struct.Struct("<" + f"q{size - 8}x" * n).unpack
-            try:
-                joined = b"".join(block_hashes)  # type: ignore[arg-type]
-            except TypeError:  # (str: not bytes-like)
-                joined = None
-            if joined is not None:
-                return list(unpack(joined))
+            return list(unpack(joined))
     from_bytes = int.from_bytes
     return [from_bytes(h[:8], "little", signed=True) if type(h) is bytes else hash64(h)  # type: ignore[index]
             for h in block_hashes]

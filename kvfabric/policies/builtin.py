@@ -117,11 +117,8 @@ class _GhostSet:
         if len(current) + len(hs) < half:  # no generation turns over: one C call
             current.update(hs)
             return
-        for h in hs:
-            current.add(h)
-            if len(current) >= half:
-                self.previous = current
-                current = self.current = set()
+        for h in hs:  # (a generation turns over on the way: rare)
+            self.add(h)
 
     def pop(self, h: int) -> bool:
         """Remove ``h``; returns whether it was remembered."""

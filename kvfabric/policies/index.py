@@ -417,10 +417,10 @@ class HeapIndex(VictimIndex):
     def _remove_many(self, ids: list[int]) -> None:
         pass
 
-    def _least_head(self) -> tuple[int, int, float, float, float, float]:
+    def _least_head(self) -> tuple[int, int, float, float]:
         """The held block with the lowest ``(key, arrival)`` at the heads (stale heads dropped on the way):
-        (block, its lane or -1 for the heap, key, arrival, and the second least head's key and arrival, +inf when
-        none); block -1 when nothing is held."""
+        (block, its lane or -1 for the heap, and the second least head's key and arrival, +inf when none); block -1
+        when nothing is held."""
         heap = self.heap
         entry = self.entry
         held = self.held
@@ -452,12 +452,12 @@ class HeapIndex(VictimIndex):
                 best, best_key, best_arrival, lane = b, k, a, i
             elif k < bound_key or (k == bound_key and a < bound_arrival):
                 bound_key, bound_arrival = k, a
-        return best, lane, best_key, best_arrival, bound_key, bound_arrival
+        return best, lane, bound_key, bound_arrival
 
     def pop(self) -> int | None:
         """:meth:`pop_n` of one, without its lists: the eviction path's usual call (vLLM allocates a decoding
         request's blocks one at a time). A head with held children takes :meth:`pop_n`'s way (it is deferred)."""
-        best, lane, _, _, _, _ = self._least_head()
+        best, lane, _, _ = self._least_head()
         if best < 0:
             return None
         if self.nkids[best]:
@@ -479,7 +479,7 @@ class HeapIndex(VictimIndex):
     def _take_run(self, limit: int) -> list[int]:
         # The least head; from a lane, its following blocks too while they stay below every other head (a lane is
         # in order, so they come next).
-        best, lane, _, _, bound_key, bound_arrival = self._least_head()
+        best, lane, bound_key, bound_arrival = self._least_head()
         if best < 0:
             return []
         if lane < 0:
