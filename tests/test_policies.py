@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvfabric.policies import POLICY_NAMES, make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
-from kvfabric.policies.base import EvictionPolicy, RequestInfo
+from kvfabric.policies.base import EvictionPolicy, RequestInfo, expand_report
 from kvfabric.policies.builtin import AdaptiveAgingPolicy, _GhostSet
 from kvfabric.policies.index import HeapIndex, SegmentedIndex
 from kvfabric.side_table import SideTable
@@ -292,6 +292,35 @@ def test_adaptive_aging_learns_credit_from_ghosts_and_honours_hints() -> None:
     assert p.key(t, 3, 9, RequestInfo("s", session="x", session_end=True)) < 0  # an ended session goes first
     assert p.key(t, 3, 9, RequestInfo("s", session="x")) == 9 + p.credit  # live: its tail is its next prefix
     assert p.key(t, 3, 9, RequestInfo("s")) == 9.0  # no hint: plain recency
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    hits=st.lists(st.integers(0, 2), min_size=1, max_size=12),
+    credit=st.sampled_from([0.0, 4.0, 9.5]),
+    ctx=st.sampled_from([None, RequestInfo("r"), RequestInfo("s", session="x"),
+                         RequestInfo("e", session="x", session_end=True)]),
+    clamp=st.lists(st.booleans(), min_size=12, max_size=12),
+)
+def test_every_policys_report_is_its_per_block_score_and_flag(hits: list[int], credit: float,
+                                                              ctx: RequestInfo | None, clamp: list[bool]) -> None:
+    """``report`` may answer in the uniform form (one score and one flag for all); either way it is exactly each
+    block's ``retain_score`` and ``is_protected``, including keys clamped under a parent's (another class's key)."""
+    n = len(hits)
+    t = SideTable(n)
+    for b, h in enumerate(hits):
+        t.hash[b], t.hits[b], t.share[b], t.depth[b] = 100 + b, h, 1 + h, b
+    ids = list(range(n))
+    for name in POLICY_NAMES:
+        policy = make_policy(name)
+        policy.bind(n)
+        if isinstance(policy, AdaptiveAgingPolicy):
+            policy.credit = credit
+        keys = policy.keys(t, ids, 7, ctx)
+        keys = [keys[0] if c else k for k, c in zip(keys, clamp, strict=False)]  # (as add_many clamps them)
+        scores, flags = expand_report(ids, *policy.report(t, ids, keys, 7))
+        assert scores == [policy.retain_score(k, 7) for k in keys], name
+        assert flags == [policy.is_protected(t, b, k, 7) for b, k in zip(ids, keys, strict=True)], name
 
 
 def test_admission_gate_decision_is_sticky_and_bounded() -> None:

@@ -26,7 +26,7 @@ from kvfabric.config import load_hook_settings
 from kvfabric.hook.install import Installation, build_hook
 from kvfabric.hook.steering import Steering, _hash_is_a_field_property, attach_steering
 from kvfabric.policies import POLICY_NAMES
-from kvfabric.policies.base import EvictionPolicy
+from kvfabric.policies.base import EvictionPolicy, expand_report
 from kvfabric.side_table import ALL_COLUMNS, CANDIDATE_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS
 
 pytestmark = pytest.mark.vllm
@@ -479,10 +479,13 @@ def test_session_hints_steer_adaptive_aging() -> None:
 LIVE_POLICIES = [p for p in POLICY_NAMES if p != "lru"]  # lru attaches nothing, so it keeps no statistics
 
 
-def pressured_run(policy: str) -> tuple[Installation, Steering]:
-    """A small pool under pressure: three families of prompts, sessions that end, hits and evictions."""
+def pressured_run(policy: str, prepare: Any = None) -> tuple[Installation, Steering]:
+    """A small pool under pressure: three families of prompts, sessions that end, hits and evictions.
+    ``prepare(steering)`` runs first."""
     manager, inst, steering = make_manager(14, policy, anchor=0)
     assert steering is not None and steering.keeper is not None
+    if prepare is not None:
+        prepare(steering)
     for i in range(30):
         extra = {"kvfabric_family": f"f{i % 3}", "kvfabric_session": f"s{i % 4}", "kvfabric_session_end": i % 5 == 4}
         req = make_request(f"q{i}", [1 + i % 3] * 32 + [50 + i] * 40, extra)
@@ -527,6 +530,38 @@ def test_one_side_table_in_process_and_in_the_expander(policy: str) -> None:
         for field in sorted(ALL_COLUMNS - {"last_use", "protected", "score"}):
             assert getattr(mine, field) == getattr(theirs, field), field
         assert mine.family[1:].count(None) < len(mine.family) - 1  # families are kept in-process too
+
+
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
+def test_the_expander_keeps_the_scores_and_flags_the_policy_reported(policy: str) -> None:
+    """Whichever form ``report`` answers in (lists, or one score and flag for a whole free), the event rows' scores
+    and flags are each candidate's own: the expander's table holds, for every block still a candidate, what the
+    policy reported for it."""
+    reported: dict[int, tuple[float, bool]] = {}
+    forms: set[bool] = set()
+
+    def prepare(steering: Steering) -> None:
+        policy_obj = steering.policy
+        assert policy_obj is not None
+        report = policy_obj.report
+
+        def spy(t: Any, ids: list[int], keys: list[float], now: int) -> Any:
+            out = report(t, ids, keys, now)
+            forms.add(isinstance(out[0], list))
+            reported.update(zip(ids, zip(*expand_report(ids, *out), strict=True), strict=True))
+            return out
+
+        policy_obj.report = spy  # type: ignore[method-assign]
+
+    inst, steering = pressured_run(policy, prepare)
+    index = steering.index
+    assert index is not None
+    table = inst.outlet.lifecycle.table  # type: ignore[attr-defined]
+    held = [b for b in range(index.num_blocks) if index.held[b]]
+    assert held and forms
+    assert [(table.score[b], table.protected[b]) for b in held] == [reported[b] for b in held]
+    if policy == "adaptive_aging":
+        assert False in forms  # (the uniform form went through the records)
 
 
 def test_the_lean_keeper_serves_the_policies_that_read_only_lean_columns() -> None:

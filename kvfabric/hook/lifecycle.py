@@ -310,9 +310,17 @@ class Lifecycle:
     def _scored(self, rec: tuple) -> None:
         _, ids, scores, flags = rec
         t = self.table
-        for b, score, flag in zip(ids, scores, flags, strict=True):
-            t.score[b] = score
-            t.protected[b] = flag
+        score = t.score
+        protected = t.protected
+        if not isinstance(scores, list):  # the uniform form: one score and one flag for every block
+            flag = bool(flags)
+            for b in ids:
+                score[b] = scores
+                protected[b] = flag
+            return
+        for b, sc, flag in zip(ids, scores, flags, strict=True):
+            score[b] = sc
+            protected[b] = flag
 
     def _lost(self, rec: tuple) -> None:
         _, ts, count = rec

@@ -27,7 +27,8 @@ op              fields after the op code
 ``DONE``        request_id              (``KVCacheManager.free``: the request left the manager)
 ``LIMITED``     ts, step, request_id, family, blocks not cached   (the admission gate narrowed a mask)
 ``RANKED``      ts, step, request_id, the policy's victims (block ids, in the order they went)
-``SCORED``      block ids, retain scores, protected flags   (a policy ranked new candidates)
+``SCORED``      block ids, retain scores, protected flags   (a policy ranked new candidates; or one score and
+                one flag standing for every block: ``EvictionPolicy.report``'s uniform form)
 ``LOST``        ts, events                       (loss the producer counted: report it as ``sink_dropped``)
 ==============  =========================================================================================
 

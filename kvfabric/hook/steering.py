@@ -61,6 +61,8 @@ import functools
 import logging
 import types
 from collections.abc import Callable, Iterator
+from itertools import compress
+from operator import and_, not_
 from typing import Any
 
 from kvfabric import schema as S
@@ -165,12 +167,17 @@ class Steering:
                 if null in parents:  # (never along a full-attention request's blocks)
                     parents = [p if p != null else -1 for p in parents]
                 parents.append(-1)
-            if any(refs) or None in raws:  # (usually a request's last user frees all of its blocks, all cached)
-                keep = [i for i, (ref, h) in enumerate(zip(refs, raws, strict=True)) if not ref and h is not None]
-                ids = [ids[i] for i in keep]
-                raws = [raws[i] for i in keep]
+            # Blocks other requests still hold, and (rarely) blocks vLLM left uncached, stay out: selected in C,
+            # as this runs once per free.
+            keep = list(map(not_, refs)) if any(refs) else None
+            if None in raws:
+                cached = [h is not None for h in raws]
+                keep = cached if keep is None else list(map(and_, keep, cached))
+            if keep is not None:
+                ids = list(compress(ids, keep))
+                raws = list(compress(raws, keep))
                 if parents is not None:
-                    parents = [parents[i] for i in keep]
+                    parents = list(compress(parents, keep))
         except Exception:
             self.failed("add")
             return

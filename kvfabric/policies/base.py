@@ -135,9 +135,12 @@ class EvictionPolicy(ABC):
         """Whether the policy deliberately keeps ``b`` over plain-LRU candidates (reported, never a veto)."""
         return False
 
-    def report(self, t: BlockStats, ids: list[int], keys: list[float], now: int) -> tuple[list[float], list[bool]]:
-        """Retain scores and protection flags of blocks ``ids`` just added with ``keys`` at ``now``: exactly
-        :meth:`retain_score` and :meth:`is_protected` of each. A policy on the hot path may override it."""
+    def report(self, t: BlockStats, ids: list[int], keys: list[float],
+               now: int) -> tuple[list[float], list[bool]] | tuple[float, bool]:
+        """Retain scores and protection flags of blocks ``ids`` (at least one) just added with ``keys`` at ``now``:
+        exactly :meth:`retain_score` and :meth:`is_protected` of each, as two lists, or, in the *uniform* form, one
+        score and one flag that are each block's (a policy on the hot path may override it to say so without a
+        loop; :func:`expand_report` turns either form into lists)."""
         score = self.retain_score
         protected = self.is_protected
         return ([score(k, now) for k in keys],
@@ -177,3 +180,11 @@ class EvictionPolicy(ABC):
     def describe(self) -> dict[str, Any]:
         """Settings worth recording with a run."""
         return {"policy": self.name}
+
+
+def expand_report(ids: list[int], scores: list[float] | float,
+                  flags: list[bool] | bool) -> tuple[list[float], list[bool]]:
+    """:meth:`EvictionPolicy.report`'s result for ``ids`` as two lists, whichever form it came in."""
+    if isinstance(scores, list):
+        return scores, flags  # type: ignore[return-value]
+    return [scores] * len(ids), [bool(flags)] * len(ids)

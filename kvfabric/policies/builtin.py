@@ -201,18 +201,30 @@ class AdaptiveAgingPolicy(EvictionPolicy):
                 proven_cls[b] = True
             return [credited] * len(ids)
         hits = t.hits
-        promoted = self.promoted
-        if promoted and not ended:
-            hashes = t.hash
-            proven = [hits[b] > 0 or hashes[b] in promoted for b in ids]
-        else:
-            proven = [hits[b] > 0 for b in ids]
-        for b, p in zip(ids, proven, strict=True):
-            proven_cls[b] = p
         # Never hit = one user only (the sealer's own use is not a touch, every other user's is): when the
         # conversation is over, its private blocks go first.
         other = self.DEAD + now if ended else float(now)
-        return [credited if p else other for p in proven]
+        out: list[float] = []
+        append = out.append
+        promoted = self.promoted
+        if promoted and not ended:
+            hashes = t.hash
+            for b in ids:  # (one pass: the class is kept for the eviction observer and the report)
+                if hits[b] > 0 or hashes[b] in promoted:
+                    proven_cls[b] = True
+                    append(credited)
+                else:
+                    proven_cls[b] = False
+                    append(other)
+            return out
+        for b in ids:
+            if hits[b] > 0:
+                proven_cls[b] = True
+                append(credited)
+            else:
+                proven_cls[b] = False
+                append(other)
+        return out
 
     def retain_score(self, key: float, now: int) -> float:
         """Allocations of life left before this block would go under pure LRU order (negative: overdue)."""
@@ -221,9 +233,20 @@ class AdaptiveAgingPolicy(EvictionPolicy):
     def is_protected(self, t: BlockStats, b: int, key: float, now: int) -> bool:
         return bool(self.proven_cls[b]) and self.credit > 0
 
-    def report(self, t: BlockStats, ids: list[int], keys: list[float], now: int) -> tuple[list[float], list[bool]]:
-        proven_cls = self.proven_cls
-        flags = [bool(proven_cls[b]) for b in ids] if self.credit > 0 else [False] * len(ids)
+    def report(self, t: BlockStats, ids: list[int], keys: list[float],
+               now: int) -> tuple[list[float], list[bool]] | tuple[float, bool]:
+        # A free's blocks are usually of one class, with one key: then one score and one flag stand for all of
+        # them (the base class's uniform form; C-level checks, no loop in Python).
+        k0 = keys[0]
+        uniform = keys.count(k0) == len(keys)
+        if self.credit > 0:
+            flags = list(map(self.proven_cls.__getitem__, ids))  # (bools: keys() writes them)
+            if uniform and flags.count(flags[0]) == len(flags):
+                return k0 - now, flags[0]
+        elif uniform:
+            return k0 - now, False
+        else:
+            flags = [False] * len(ids)
         return [k - now for k in keys], flags
 
     def on_request_started(self, info: RequestInfo, hit_blocks: int, num_blocks: int,

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from itertools import groupby
 from operator import itemgetter
 
-from kvfabric.policies.base import BlockStats, EvictionPolicy, RequestInfo, TableOwner
+from kvfabric.policies.base import BlockStats, EvictionPolicy, RequestInfo, TableOwner, expand_report
 
 
 class VictimIndex(ABC):
@@ -145,7 +145,7 @@ class VictimIndex(ABC):
         if not ids:
             return ids, [], []
         t = self.owner.table
-        scores, flags = self.policy.report(t, ids, keys, self.now)
+        scores, flags = expand_report(ids, *self.policy.report(t, ids, keys, self.now))
         score = t.score
         protected = t.protected
         for b, sc, flag in zip(ids, scores, flags, strict=True):
