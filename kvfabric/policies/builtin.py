@@ -206,19 +206,10 @@ class AdaptiveAgingPolicy(EvictionPolicy):
         other = self.DEAD + now if ended else float(now)
         out: list[float] = []
         append = out.append
-        promoted = self.promoted
-        if promoted and not ended:
-            hashes = t.hash
-            for b in ids:  # (one pass: the class is kept for the eviction observer and the report)
-                if hits[b] > 0 or hashes[b] in promoted:
-                    proven_cls[b] = True
-                    append(credited)
-                else:
-                    proven_cls[b] = False
-                    append(other)
-            return out
-        for b in ids:
-            if hits[b] > 0:
+        promoted = self.promoted if not ended else None  # (an ended session's rebuilt blocks are not credited)
+        hashes = t.hash
+        for b in ids:  # (one pass: the class is kept for the eviction observer and the report)
+            if hits[b] > 0 or (promoted and hashes[b] in promoted):
                 proven_cls[b] = True
                 append(credited)
             else:
