@@ -23,6 +23,7 @@ from vllm.v1.request import Request
 
 from kvfabric import schema as S
 from kvfabric.config import load_hook_settings
+from kvfabric.hook import records as R
 from kvfabric.hook.install import Installation, build_hook
 from kvfabric.hook.steering import Steering, _hash_is_a_field_property, attach_steering
 from kvfabric.policies import POLICY_NAMES
@@ -562,6 +563,31 @@ def test_the_expander_keeps_the_scores_and_flags_the_policy_reported(policy: str
     assert [(table.score[b], table.protected[b]) for b in held] == [reported[b] for b in held]
     if policy == "adaptive_aging":
         assert False in forms  # (the uniform form went through the records)
+
+
+def test_loss_counted_for_a_record_never_exceeds_the_rows_it_makes() -> None:
+    """``events_in`` (what a lost record is counted as) is a lower bound of the rows the expander makes of it, for
+    every record of a pressured run; an allocation whose victims the policy chose counts their ranking row too."""
+    manager, inst, steering = make_manager(14, "adaptive_aging", anchor=0)
+    life = inst.outlet.lifecycle  # type: ignore[attr-defined]
+    seen: list[tuple[tuple, int, int]] = []
+
+    def apply(records: list[tuple]) -> None:
+        for rec in records:
+            before = life.events
+            life.apply_one(rec)
+            seen.append((rec, R.events_in(rec), life.events - before))
+
+    life.apply = apply
+    for i in range(30):
+        req = make_request(f"q{i}", [1 + i % 3] * 32 + [50 + i] * 40, {"kvfabric_session": f"s{i % 4}"})
+        assert admit(manager, req) is not None
+        manager.free(req)
+    inst.drain()
+    assert seen and all(lower <= made for _, lower, made in seen)
+    chosen = [(rec, lower) for rec, lower, _ in seen if rec[0] == R.ALLOCATED and rec[5]]
+    assert chosen and steering.victims == sum(len(rec[5]) for rec, _ in chosen)
+    assert all(lower == len(rec[4]) + 1 for rec, lower in chosen)
 
 
 def test_the_lean_keeper_serves_the_policies_that_read_only_lean_columns() -> None:

@@ -76,7 +76,8 @@ class Recorder:
     """
 
     __slots__ = ("block_size", "clock", "errors", "families", "family_depth", "family_from_rid",
-                 "fresh_observers", "gate", "handover", "handover_at", "keeper", "log", "on", "rid", "stepper")
+                 "fresh_observers", "gate", "handover", "handover_at", "keeper", "log", "on", "rid", "stepper",
+                 "victims")
 
     def __init__(self, settings: HookSettings, recording: bool, block_size: int,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -97,6 +98,9 @@ class Recorder:
         #: ``time.monotonic()`` from which the next record triggers a hand-over (0: the next one does).
         self.handover_at = 0.0
         self.rid: str | None = None  # the request whose KVCacheManager call is in progress (pool calls see it)
+        #: The policy's victims in the allocation in progress (steering sets them when victim choices are reported;
+        #: the allocation's record carries them), else None.
+        self.victims: list[int] | None = None
         self.errors = 0
         self.family_depth = settings.family_depth
         self.family_from_rid = settings.family_from_request_id
@@ -185,7 +189,10 @@ def hook_pool(pool: Any, r: Recorder) -> None:
         blocks = get_new_blocks(num_blocks, *args, **kwargs)
         if r.on:
             try:
-                r.add((R.ALLOCATED, r.clock(), r.step, r.rid, [b.block_id for b in blocks]))
+                # (The victims steering chose inside this call ride in its record: no record of their own.)
+                victims = r.victims
+                r.victims = None
+                r.add((R.ALLOCATED, r.clock(), r.step, r.rid, [b.block_id for b in blocks], victims))
             except Exception:
                 r.failed("recording an allocation")
         return blocks

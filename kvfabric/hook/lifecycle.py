@@ -84,7 +84,6 @@ class Lifecycle:
             R.RESET: self._reset,
             R.DONE: self._done,
             R.LIMITED: self._limited,
-            R.RANKED: self._ranked,
             R.SCORED: self._scored,
             R.LOST: self._lost,
         }
@@ -183,7 +182,9 @@ class Lifecycle:
         t.reset(b)
 
     def _allocated(self, rec: tuple) -> None:
-        _, ts, step, rid, ids = rec
+        _, ts, step, rid, ids, victims = rec
+        if victims and self.rows:
+            self._ranked(ts, step, rid, victims)
         now = self._stamp(ts)
         t = self.table
         hashes = t.hash
@@ -298,10 +299,9 @@ class Lifecycle:
         _, ts, step, rid, family, n = rec
         self._row(ts, step, S.CACHE_ADMISSION_LIMITED, rid, family=family, count=n)
 
-    def _ranked(self, rec: tuple) -> None:
-        # The victims' scores and flags came in SCORED records when they became candidates; they are still here
-        # (their ALLOCATED record, which evicts them, comes after this one).
-        _, ts, step, rid, victims = rec
+    def _ranked(self, ts: int, step: int, rid: str | None, victims: list[int]) -> None:
+        """An allocation's victims were the policy's choice: one ``eviction_candidates_ranked`` row, before the
+        allocation evicts them. Their scores and flags came in ``SCORED`` records when they became candidates."""
         t = self.table
         scores = [sc for sc in map(t.score.__getitem__, victims) if sc is not None]
         self._row(ts, step, S.EVICTION_CANDIDATES_RANKED, rid, retain_score=max(scores) if scores else None,
@@ -352,7 +352,7 @@ class StatisticsKeeper(Lifecycle):
         self.rows = False
         self.clock = clock
         handlers = self._handlers
-        for op in (R.LOOKUP, R.ADMITTED, R.CANCELLED, R.DONE, R.LIMITED, R.RANKED, R.SCORED, R.LOST):
+        for op in (R.LOOKUP, R.ADMITTED, R.CANCELLED, R.DONE, R.LIMITED, R.SCORED, R.LOST):
             del handlers[op]
         self.lean = (INDEX_COLUMNS | set(reads)) <= LEAN_COLUMNS
         #: Whether the policy reads only :data:`~kvfabric.side_table.CANDIDATE_COLUMNS`: then no sealing is

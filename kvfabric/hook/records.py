@@ -15,7 +15,8 @@ op              fields after the op code
 ``LOOKUP``      ts, step, request_id, family, prompt_tokens, num_blocks, hit_tokens, raw hashes from the hit on
 ``ADMITTED``    ts, step, request_id   (the lookup above was admitted: allocation succeeded)
 ``CANCELLED``   request_id             (the lookup above was not admitted: allocation returned None)
-``ALLOCATED``   ts, step, request_id, block ids        (``get_new_blocks``; each ref count is 1 after it)
+``ALLOCATED``   ts, step, request_id, block ids, victims   (``get_new_blocks``; each ref count is 1 after it;
+                victims: the policy's choices among them, in the order they went, or None: vLLM's own order)
 ``TOUCHED``     ts, step, request_id, block ids, ref counts after
 ``FREED``       ts, step, request_id, block ids, ref counts after
 ``SEALED``      ts, step, request_id, family, start, id of block ``start-1`` (None at the root), block ids
@@ -26,7 +27,6 @@ op              fields after the op code
 ``RESET``       ts, step                (``reset_prefix_cache`` succeeded)
 ``DONE``        request_id              (``KVCacheManager.free``: the request left the manager)
 ``LIMITED``     ts, step, request_id, family, blocks not cached   (the admission gate narrowed a mask)
-``RANKED``      ts, step, request_id, the policy's victims (block ids, in the order they went)
 ``SCORED``      block ids, retain scores, protected flags   (a policy ranked new candidates; or one score and
                 one flag standing for every block: ``EvictionPolicy.report``'s uniform form)
 ``LOST``        ts, events                       (loss the producer counted: report it as ``sink_dropped``)
@@ -49,7 +49,7 @@ EVICTING = 8
 RESET = 9
 DONE = 10
 LIMITED = 11
-RANKED = 12
+# (12 was RANKED: an allocation's victims now ride in its ALLOCATED record)
 SCORED = 13
 LOST = 14
 MOVED = 15
@@ -63,5 +63,7 @@ def events_in(record: tuple) -> int:
     """Events a record would have produced at least (for loss accounting)."""
     at = BLOCK_LIST_AT.get(record[0])
     if at is None:
-        return 1 if record[0] in (ADMITTED, LIMITED, RANKED, RESET) else 0
+        return 1 if record[0] in (ADMITTED, LIMITED, RESET) else 0
+    if record[0] == ALLOCATED and record[5]:
+        return len(record[at]) + 1  # (and its eviction_candidates_ranked row)
     return len(record[at])

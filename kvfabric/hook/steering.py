@@ -104,8 +104,8 @@ class Steering:
         #: Whether events go out (lifecycle recording on): new candidates' retain scores and protection flags are
         #: then reported (``SCORED``), for the expander to keep and write into event rows.
         self.reports = recorder.log is not None
-        #: Whether victim choices are reported too (``RANKED``, which the expander summarises as
-        #: ``eviction_candidates_ranked`` from those scores and flags: the policy ranks).
+        #: Whether victim choices are reported too (in the allocation's ``ALLOCATED`` record, which the expander
+        #: summarises as ``eviction_candidates_ranked`` from those scores and flags: the policy ranks).
         self.ranked = self.reports and policy is not None and policy.ranked
         # The policy's eviction observers (of several blocks, of one block), or None when it keeps the base class's
         # no-ops (saves a call per eviction).
@@ -303,10 +303,17 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
         index.now += n  # the index's clock (``tick``), inline: a call per allocation shows in the scheduler's time
     if chosen:
         st.victims += len(chosen)
-        r = st.recorder
-        if st.ranked and r.log is not None:
-            r.log.append((R.RANKED, r.clock(), r.step, r.rid, chosen))
+        if st.ranked:
+            _report_victims(st.recorder, chosen)
     return out
+
+
+def _report_victims(r: Any, chosen: list[int]) -> None:
+    """The allocation in progress evicted ``chosen`` by the policy's choice: its ``ALLOCATED`` record says so."""
+    if r.victims is None:
+        r.victims = chosen
+    else:  # (a second hand-out within one allocation)
+        r.victims += chosen
 
 
 def _evict_one(self: Any, st: Steering) -> Any | None:
@@ -340,9 +347,8 @@ def _evict_one(self: Any, st: Steering) -> Any | None:
             st.on_evicted_one(index.owner.table, b, now)
         except Exception:
             st.failed("victim choice")
-    r = st.recorder
-    if st.ranked and r.log is not None:
-        r.log.append((R.RANKED, r.clock(), r.step, r.rid, [b]))
+    if st.ranked:
+        _report_victims(st.recorder, [b])
     return blk
 
 
