@@ -8,9 +8,10 @@ Runs the CPU demo workload of ``bench_hook_overhead.py`` (vLLM 0.33's real sched
 model) once with ``adaptive_aging`` and lifecycle recording (sink ``none``), timing each of steering's entry points
 per call with ``perf_counter_ns`` (about 0.1 µs per reading): the statistics keeper's record handlers, those it
 has (a free's and a touch's include following the record into the victim index; a keeper that follows no sealing
-has no seal handler, so that row is absent), the free list's ``popleft_n``, and the two halves of vLLM's usual
-eviction, one block per call: the index's ``pop`` and the policy's ``on_evicted``. Those are *in place*: each
-call runs between stretches of vLLM's own work, which uses the caches in between.
+has no seal handler, so that row is absent), the free list's ``popleft_n`` (of one block, and of several: a
+prompt's), and the two halves of vLLM's usual eviction, one block per call: the index's ``pop`` and the policy's
+``on_evicted``. Those are *in place*: each call runs between stretches of vLLM's own work, which uses the caches in
+between.
 
 Then, on the run's final state, two of those calls are timed again ``--samples`` times each: taking one victim
 (``pop``, at most half the candidates left) and entering one eviction (``on_evicted`` of one block):
@@ -42,9 +43,8 @@ ENV = {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_EVICTION_PO
 THRASH_BYTES = 32 << 20
 
 
-def _timed(samples: list[int], fn: Callable[..., Any], *, only: Callable[..., bool] | None = None
-           ) -> Callable[..., Any]:
-    """``fn`` with each call's duration (ns) appended to ``samples`` (where ``only(*args)`` holds, if given)."""
+def _timed_by(samples_for: Callable[..., list[int]], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with each call's duration (ns) appended to the list ``samples_for(*args)`` names."""
     from time import perf_counter_ns
 
     def call(*args: Any) -> Any:
@@ -52,10 +52,14 @@ def _timed(samples: list[int], fn: Callable[..., Any], *, only: Callable[..., bo
         try:
             return fn(*args)
         finally:
-            if only is None or only(*args):
-                samples.append(perf_counter_ns() - t0)
+            samples_for(*args).append(perf_counter_ns() - t0)
 
     return call
+
+
+def _timed(samples: list[int], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with each call's duration (ns) appended to ``samples``."""
+    return _timed_by(lambda *args: samples, fn)
 
 
 def in_place(steps: int | None) -> tuple[Any, dict[str, list[int]], int]:
@@ -80,7 +84,10 @@ def in_place(steps: int | None) -> tuple[Any, dict[str, list[int]], int]:
             keeper._handlers[op] = _timed(samples[name], handler)
     keeper.handler = keeper._handlers.get  # (the recorder looks handlers up through this)
     queue = engine.scheduler.kv_cache_manager.block_pool.free_block_queue
-    queue.popleft_n = _timed(samples["free list popleft_n(1)"], queue.popleft_n, only=lambda n: n == 1)
+    # One block per call (a decoding request's next block) and several (a prompt's blocks), apart: the first goes
+    # through steering's one-block path, the second through the general one.
+    queue.popleft_n = _timed_by(lambda n: samples["free list popleft_n(1)" if n == 1 else "free list popleft_n(many)"],
+                                queue.popleft_n)
     st.index.pop = _timed(samples["victim index pop()"], st.index.pop)
     st.on_evicted_one = _timed(samples["policy on_evicted, one block"], st.on_evicted_one)
     done = 0
@@ -160,7 +167,8 @@ def main() -> int:
         row = again.get(name)
         warm = _us(row["warm"]) if row else None
         cold = _us(row["cold"]) if row else None
-        key = name.split(" (")[0].replace(" ", "_").replace(",", "").replace("(1)", "_1").replace("()", "")
+        key = name.split(" (")[0].replace(" ", "_").replace(",", "").replace("(1)", "_1").replace("(many)", "_many")
+        key = key.replace("()", "")
         summary[f"{key}_calls"] = len(ns)
         summary[f"{key}_in_place_us"] = _us(ns)
         if row:
