@@ -65,6 +65,13 @@ RUNS: dict[str, tuple[str, str]] = {
     "q05b-r7": ("Qwen2-0.5B shape, 5 rounds, revision e044d86, pinned, the engine slots reversed (plain last)",
                 "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r7 --shape qwen2-0.5b --rounds 5 --scale 3 "
                 "--arms adaptive_aging,lru,plain"),
+    "q05b-r8": ("Qwen2-0.5B shape, 5 rounds, revision cf5f3b9 (`adaptive_aging`'s cheaper free path, victims in the "
+                "allocation's record), pinned, with `adaptive_aging` steering",
+                "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r8 --shape qwen2-0.5b --rounds 5 --scale 3 "
+                "--arms plain,lru,adaptive_aging"),
+    "q05b-r9": ("Qwen2-0.5B shape, 5 rounds, revision cf5f3b9, pinned, the engine slots reversed (plain last)",
+                "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r9 --shape qwen2-0.5b --rounds 5 --scale 3 "
+                "--arms adaptive_aging,lru,plain"),
 }
 
 #: Runs of one revision and shape with the arms in opposite engine slots: taken together, the slot's effect cancels
@@ -75,6 +82,7 @@ POOLS: dict[str, tuple[str, ...]] = {
     "q05b-r4+r5 (pinned)": ("q05b-r4", "q05b-r5"),
     "8b-r7+r8 (adaptive_aging)": ("8b-r7", "8b-r8"),
     "q05b-r6+r7 (adaptive_aging)": ("q05b-r6", "q05b-r7"),
+    "q05b-r8+r9 (adaptive_aging, revision cf5f3b9)": ("q05b-r8", "q05b-r9"),
 }
 
 ARM_TEXT = {
@@ -161,8 +169,9 @@ def main() -> int:
         "# The hook on the real vLLM 0.26.0 engine, one H200",
         "",
         "Written by `python benchmarks/gpu/overhead_table.py` from the files `benchmarks/gpu/h200_overhead.py` brought",
-        f"back (`{args.dir}/`). Date of the runs: 2026-12-01. Machine: one NVIDIA H200 (143,771 MiB), 16 CPU cores,",
-        "Python 3.12, torch 2.11, vLLM 0.26.0 and this project's wheel staged by benchmarks/gpu/staging/README.md",
+        f"back (`{args.dir}/`). Dates of the runs: 2026-12-01 and 2026-12-02. Machine: one NVIDIA H200",
+        "(143,771 MiB), 16 CPU cores, Python 3.12, torch 2.11, vLLM 0.26.0 and this project's wheel staged by",
+        "benchmarks/gpu/staging/README.md",
         "(PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONHASHSEED=0).",
         "",
         "Method: every arm is one `vllm.LLM` engine (dummy weights, torch.compile + CUDA graphs, 1,500 KV blocks,",
