@@ -197,6 +197,15 @@ class SideTable:
         for b, h in zip(ids, digests, strict=True):
             hashes[b] = h
 
+    def score_all(self, ids: list[int], scores: list[float], flags: list[bool]) -> None:
+        """The policy's retain scores and protection flags of blocks ``ids``, set when they became candidates (what
+        eviction reports read)."""
+        score = self.score
+        protected = self.protected
+        for b, sc, flag in zip(ids, scores, flags, strict=True):
+            score[b] = sc
+            protected[b] = flag
+
     def clear(self) -> None:
         """Every block lost its content (a prefix-cache reset)."""
         self.__init__(self.num_blocks)  # type: ignore[misc]

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvfabric import schema as S
 from kvfabric.hook import records as R
+from kvfabric.policies.base import expand_report
 from kvfabric.side_table import ALL_COLUMNS, CANDIDATE_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS, SideTable
 
 hash64 = S.hash64
@@ -308,19 +309,8 @@ class Lifecycle:
                   protected=any(map(t.protected.__getitem__, victims)), count=len(victims))
 
     def _scored(self, rec: tuple) -> None:
-        _, ids, scores, flags = rec
-        t = self.table
-        score = t.score
-        protected = t.protected
-        if not isinstance(scores, list):  # the uniform form: one score and one flag for every block
-            flag = bool(flags)
-            for b in ids:
-                score[b] = scores
-                protected[b] = flag
-            return
-        for b, sc, flag in zip(ids, scores, flags, strict=True):
-            score[b] = sc
-            protected[b] = flag
+        _, ids, scores, flags = rec  # (either form of EvictionPolicy.report)
+        self.table.score_all(ids, *expand_report(ids, scores, flags))
 
     def _lost(self, rec: tuple) -> None:
         _, ts, count = rec

@@ -146,11 +146,7 @@ class VictimIndex(ABC):
             return ids, [], []
         t = self.owner.table
         scores, flags = expand_report(ids, *self.policy.report(t, ids, keys, self.now))
-        score = t.score
-        protected = t.protected
-        for b, sc, flag in zip(ids, scores, flags, strict=True):
-            score[b] = sc
-            protected[b] = flag
+        t.score_all(ids, scores, flags)
         return ids, scores, flags
 
     def discard(self, b: int) -> bool:
