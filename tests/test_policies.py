@@ -19,7 +19,8 @@ from kvfabric.policies import POLICY_NAMES, make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
 from kvfabric.policies.base import EvictionPolicy, RequestInfo, expand_report
 from kvfabric.policies.builtin import AdaptiveAgingPolicy, _GhostSet
-from kvfabric.policies.index import HeapIndex, SegmentedIndex
+from kvfabric.policies.index import HeapIndex, VictimIndex, make_index
+from kvfabric.policies.native_index import NativeIndex
 from kvfabric.side_table import SideTable
 from kvfabric.sim.offline import OfflineCache, TraceRequest, block_keys, load_trace, simulate
 
@@ -27,6 +28,17 @@ from kvfabric.sim.offline import OfflineCache, TraceRequest, block_keys, load_tr
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake_conversation_first_half.jsonl"
 SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
+
+
+#: Both implementations of the victim index: this module's, and the compiled one (built by the install; where it is
+#: missing the native cases fail, so a run that tests only the fallback cannot pass for one that tests both).
+IMPLEMENTATIONS = [pytest.param(False, id="python"), pytest.param(True, id="native")]
+
+
+def new_index(policy: EvictionPolicy, owner: Any, n: int, native: bool) -> VictimIndex:
+    index = make_index(policy, owner, n, native=native)
+    assert isinstance(index, NativeIndex) == native, "the compiled index is not built here"
+    return index
 
 
 class Owner:
@@ -50,14 +62,16 @@ class SegmentFromTable(KeyFromTable):
     num_segments = 3
 
 
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
 @pytest.mark.parametrize("policy_cls", [KeyFromTable, SegmentFromTable])
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "discard", "pop"]), st.integers(0, 15), st.integers(0, 2)),
                     max_size=120))
-def test_index_matches_reference_model(policy_cls: type[EvictionPolicy], ops: list[tuple[str, int, int]]) -> None:
+def test_index_matches_reference_model(policy_cls: type[EvictionPolicy], native: bool,
+                                       ops: list[tuple[str, int, int]]) -> None:
     """Without parent links, pop order is (key, arrival order); each block held at most once."""
     owner = Owner(16)
-    index = (HeapIndex if policy_cls.structure == "heap" else SegmentedIndex)(policy_cls(), owner, 16)
+    index = new_index(policy_cls(), owner, 16, native)
     model: dict[int, tuple[int, int]] = {}
     arrival = 0
     for op, b, key in ops:
@@ -82,7 +96,8 @@ def test_index_matches_reference_model(policy_cls: type[EvictionPolicy], ops: li
         assert all((b in index) == (b in model) for b in range(16))
 
 
-def test_index_evicts_descendants_first_whatever_the_keys() -> None:
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_index_evicts_descendants_first_whatever_the_keys(native: bool) -> None:
     """A chain 1 <- 2 <- 3 whose keys put the root first still leaves leaf first."""
     owner = Owner(8)
     t = owner.table
@@ -91,7 +106,7 @@ def test_index_evicts_descendants_first_whatever_the_keys() -> None:
         t.parent_block[b] = parent
         t.parent[b] = None if parent < 0 else 100 + parent
         t.hits[b] = b  # root lowest
-    index = HeapIndex(KeyFromTable(), owner, 8)
+    index = new_index(KeyFromTable(), owner, 8, native)
     for b in (3, 2, 4, 1):
         index.add(b)
     order = [index.pop() for _ in range(4)]
@@ -153,8 +168,10 @@ def test_a_run_stops_where_a_victim_puts_its_deferred_parent_back() -> None:
     assert index.descents == 1 and index.restores == 1 and len(index) == 0
 
 
-@pytest.mark.parametrize("index_cls", [HeapIndex, SegmentedIndex])
-def test_a_deferred_parent_comes_back_when_its_last_child_is_touched(index_cls: type) -> None:
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+@pytest.mark.parametrize("policy_cls", [KeyFromTable, SegmentFromTable])
+def test_a_deferred_parent_comes_back_when_its_last_child_is_touched(policy_cls: type[EvictionPolicy],
+                                                                    native: bool) -> None:
     """A parent set aside (it reached the top with held children) returns to its place when its last held child
     leaves by a touch (``discard_all``: one call for a touch's blocks) rather than as a victim."""
     owner = Owner(4)
@@ -164,7 +181,7 @@ def test_a_deferred_parent_comes_back_when_its_last_child_is_touched(index_cls: 
         t.hash[b] = 100 + b
     for kid in (kid1, kid2):
         t.parent_block[kid], t.parent[kid] = parent, 100 + parent
-    index = index_cls(KeyFromTable() if index_cls is HeapIndex else SegmentFromTable(), owner, 4)
+    index = new_index(policy_cls(), owner, 4, native)
     for b, key in ((kid1, 2), (kid2, 2), (parent, 0), (other, 1)):  # adversarial: the parent's key is the lowest
         t.hits[b] = key
         index.add(b)
@@ -175,12 +192,13 @@ def test_a_deferred_parent_comes_back_when_its_last_child_is_touched(index_cls: 
     assert index.pop() == parent and index.pop() is None and len(index) == 0
 
 
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
 @pytest.mark.parametrize("policy_cls", [KeyFromTable, SegmentFromTable])
 @settings(max_examples=200, deadline=None)
 @given(parents=st.lists(st.integers(-1, 11), min_size=12, max_size=12),
        ops=st.lists(st.tuples(st.sampled_from(["add", "add", "chain", "discard", "unchain", "pop"]),
                               st.integers(0, 11), st.integers(0, 40)), max_size=150))
-def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPolicy], parents: list[int],
+def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPolicy], native: bool, parents: list[int],
                                                    ops: list[tuple[str, int, int]]) -> None:
     """With parent links (random forests, keys in any order along a chain): ``pop`` returns the lowest (key,
     arrival) among held blocks none of whose held children link to them, keys clamped at add under a held parent's.
@@ -195,7 +213,7 @@ def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPoli
         t.hash[b] = 1000 + b
         t.parent_block[b] = p
         t.parent[b] = None if p < 0 else 1000 + p
-    index = (HeapIndex if policy_cls.structure == "heap" else SegmentedIndex)(policy_cls(), owner, n)
+    index = new_index(policy_cls(), owner, n, native)
     clamp = (lambda k: k) if policy_cls.structure == "heap" else (lambda k: min(max(k, 0), 2))
     model: dict[int, tuple[float, int]] = {}
     link: dict[int, int] = {}

@@ -28,6 +28,7 @@ from kvfabric.hook.install import Installation, build_hook
 from kvfabric.hook.steering import Steering, _hash_is_a_field_property, attach_steering
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.policies.base import EvictionPolicy, expand_report
+from kvfabric.policies.native_index import NativeIndex
 from kvfabric.side_table import ALL_COLUMNS, CANDIDATE_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS
 
 pytestmark = pytest.mark.vllm
@@ -35,8 +36,8 @@ BLOCK = 16
 REORDERING = tuple(p for p in POLICY_NAMES if p != "lru")
 
 
-def make_manager(num_blocks: int, policy: str, anchor: int | None = 0) -> tuple[KVCacheManager, Installation,
-                                                                                 Steering | None]:
+def make_manager(num_blocks: int, policy: str, anchor: int | None = 0, *,
+                 native: bool = True) -> tuple[KVCacheManager, Installation, Steering | None]:
     init_none_hash(sha256)
     config = KVCacheConfig(
         num_blocks=num_blocks,
@@ -48,7 +49,8 @@ def make_manager(num_blocks: int, policy: str, anchor: int | None = 0) -> tuple[
     )
     manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True,
                              hash_block_size=BLOCK)
-    env = {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_EVICTION_POLICY": policy}
+    env = {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_EVICTION_POLICY": policy,
+           "KVFABRIC_NATIVE_INDEX": "1" if native else "0"}
     if anchor is not None:
         env["KVFABRIC_ADMISSION_ANCHOR_BLOCKS"] = str(anchor)
     hook_settings = load_hook_settings(env)
@@ -157,10 +159,12 @@ OPS = st.lists(
 )
 
 
-def run_ops(ops: list[tuple], policy: str, num_blocks: int, anchor: int | None, *, one_by_one: bool = True) -> Checker:
+def run_ops(ops: list[tuple], policy: str, num_blocks: int, anchor: int | None, *, one_by_one: bool = True,
+            native: bool = True) -> Checker:
     """Run ``ops``, then free everything and evict all that is cached: one block per call (``one_by_one``, the
-    eviction path's usual call) or in one call. ``checker.victims``: the cached blocks in the order they went."""
-    manager, inst, steering = make_manager(num_blocks, policy, anchor)
+    eviction path's usual call) or in one call. ``checker.victims``: the cached blocks in the order they went.
+    ``native``: the compiled victim index (else the Python one)."""
+    manager, inst, steering = make_manager(num_blocks, policy, anchor, native=native)
     checker = Checker(manager, inst, steering, reorders=policy != "lru")
     pool = manager.block_pool
     running: list[Request] = []
@@ -225,6 +229,21 @@ def test_one_block_at_a_time_evicts_what_one_call_for_all_evicts(policy: str, op
     every = run_ops(ops, policy, num_blocks, 0, one_by_one=False)
     assert one.victims == every.victims
     assert one.steering is not None and one.steering.stale == every.steering.stale == 0
+
+
+@pytest.mark.parametrize("policy", REORDERING)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, num_blocks=st.integers(6, 24))
+def test_the_compiled_and_the_python_index_evict_alike(policy: str, ops: list[tuple], num_blocks: int) -> None:
+    """Through vLLM's real pool, the compiled victim index (the default where it is built) and the Python one
+    (``KVFABRIC_NATIVE_INDEX=0``) evict the same blocks in the same order (tests/test_native_index.py compares
+    them call by call)."""
+    native = run_ops(ops, policy, num_blocks, 0, native=True)
+    python = run_ops(ops, policy, num_blocks, 0, native=False)
+    assert native.steering is not None and python.steering is not None
+    assert type(native.steering.index) is NativeIndex and type(python.steering.index) is not NativeIndex
+    assert (native.victims, native.evictions) == (python.victims, python.evictions)
+    assert native.steering.victims == python.steering.victims
 
 
 @pytest.mark.parametrize("policy", REORDERING)

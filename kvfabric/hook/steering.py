@@ -534,7 +534,7 @@ def attach_steering(
         null_block = int(getattr(getattr(pool, "null_block", None), "block_id", 0) or 0)
         clock: list[VictimIndex] = []
         keeper = StatisticsKeeper(num_blocks, lambda: clock[0].now, null_block, policy.reads)
-        index = make_index(policy, keeper, num_blocks)
+        index = make_index(policy, keeper, num_blocks, native=settings.native_index)
         clock.append(index)
         recorder.keeper = keeper
     steering = Steering(recorder, policy, index, keeper)
@@ -557,8 +557,9 @@ def attach_steering(
         steering.hold.attach()
     pool._kvfabric_steering = steering
     log.info(
-        "kvfabric: steering attached (policy=%s, admission_anchor_blocks=%s, cache_aware_scheduling=%s)",
+        "kvfabric: steering attached (policy=%s, index=%s, admission_anchor_blocks=%s, cache_aware_scheduling=%s)",
         policy.name if policy is not None else "lru",
+        type(index).__name__ if index is not None else "none",
         settings.admission_anchor_blocks if steering.gate is not None else "off",
         steering.hold is not None,
     )

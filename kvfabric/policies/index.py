@@ -528,10 +528,16 @@ _INF = float("inf")
 _second = itemgetter(1)
 
 
-def make_index(policy: EvictionPolicy, owner: TableOwner, num_blocks: int) -> VictimIndex:
-    """The structure a policy asks for (its ``structure`` class attribute)."""
+def make_index(policy: EvictionPolicy, owner: TableOwner, num_blocks: int, native: bool = True) -> VictimIndex:
+    """The structure a policy asks for (its ``structure`` class attribute): compiled
+    (:class:`~kvfabric.policies.native_index.NativeIndex`, the same order) where it is built and ``native``, else
+    this module's."""
+    if policy.structure not in ("segments", "heap"):
+        raise ValueError(f"policy {policy.name!r} asks for an unknown structure {policy.structure!r}")
+    from kvfabric.policies.native_index import BUILT, NativeIndex  # (it imports this module)
+
+    if native and BUILT:
+        return NativeIndex(policy, owner, num_blocks, segments=policy.structure == "segments")
     if policy.structure == "segments":
         return SegmentedIndex(policy, owner, num_blocks)
-    if policy.structure == "heap":
-        return HeapIndex(policy, owner, num_blocks)
-    raise ValueError(f"policy {policy.name!r} asks for an unknown structure {policy.structure!r}")
+    return HeapIndex(policy, owner, num_blocks)
