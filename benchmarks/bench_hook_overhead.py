@@ -1,7 +1,7 @@
 """Hook overhead on vLLM's real scheduler: time of schedule() + update_from_output(), side by side.
 
 Modes, run side by side in one process so machine noise hits them alike: a round builds one engine per mode and
-steps them in lockstep (turns of 50 steps each, in an order that alternates between rounds) until all are done:
+steps them in lockstep (turns of 50 steps each, in an order drawn afresh for every cycle of turns) until all are done:
 
   plain           vLLM with nothing of KVFabric wrapped in (Scheduler.__init__ unwrapped)
   off             the plugin loaded through vLLM's entry point, no KVFABRIC_* set (it installs nothing)
@@ -37,6 +37,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -111,7 +112,8 @@ def build_engine(mode: str, sock: str, workload: list) -> tuple[Any, Any]:
     return engine, getattr(engine.scheduler, "_kvfabric", None)
 
 
-def run_round(modes: tuple[str, ...], sock: str, workload: list) -> dict[str, tuple[float, float, int, float]]:
+def run_round(modes: tuple[str, ...], sock: str, workload: list,
+              seed: int = 0) -> dict[str, tuple[float, float, int, float]]:
     """One round: an engine per mode, all run to the end in lockstep. Per mode: (scheduler wall seconds,
     scheduler-thread CPU seconds, events expanded, CPU seconds the forwarder process spent during the run).
 
@@ -121,6 +123,12 @@ def run_round(modes: tuple[str, ...], sock: str, workload: list) -> dict[str, tu
     each engine to run on warm caches. As in vLLM's EngineCore (``freeze_gc_heap`` after start-up), the heap built
     so far is frozen before the engines run, so collections skip it. The engines share one interpreter, so vLLM's
     call sites see hooked and plain objects in turn; CPython re-specialises them at each turn (a cost plain shares).
+
+    The order of the turns is drawn afresh for every cycle (seeded by ``seed``), so no engine always follows the
+    same one. With one fixed order per round, the engine after a streaming one ran while that one's forwarder was
+    still at work on the other core, and paid for it: in rounds of the order plain, ..., adaptive_aging every mode's
+    ratio to plain (off's too, which installs nothing) came out 1-4 points lower than in rounds of the reverse
+    order (results at 494c0d7), so a 5-round run's median depended on which order its median round had.
     """
     engines = {m: build_engine(m, sock, workload) for m in modes}
     forwarders: dict[str, Any] = {}
@@ -136,7 +144,9 @@ def run_round(modes: tuple[str, ...], sock: str, workload: list) -> dict[str, tu
     gc.freeze()
     try:
         live = [engine for engine, _ in engines.values()]
+        shuffle = random.Random(seed).shuffle
         while live:
+            shuffle(live)
             for engine in live:
                 for _ in range(CHUNK_STEPS):
                     if not engine.has_unfinished():
@@ -228,8 +238,8 @@ def main() -> int:
     try:
         run_round(("plain",), sock, workload[:40])  # warm-up: imports, first-run effects
         for r in range(args.rounds):
-            order = MODES if r % 2 == 0 else MODES[::-1]
-            for m, (wall, cpu, ev, fwd) in run_round(order, sock, workload).items():
+            order = MODES if r % 2 == 0 else MODES[::-1]  # (the engines' build order; turns are shuffled)
+            for m, (wall, cpu, ev, fwd) in run_round(order, sock, workload, seed=r).items():
                 times[m].append(cpu)
                 walls[m].append(wall)
                 forwarder_cpu[m].append(fwd)
@@ -270,8 +280,8 @@ def main() -> int:
         "",
         "Scheduler time: the CPU time of the scheduler thread inside `schedule()` + `update_from_output()` (what "
         "vLLM's engine loop itself pays). Each round runs one engine per mode in lockstep (turns of "
-        f"{CHUNK_STEPS} steps), the heap frozen as vLLM's EngineCore freezes it; ratios are medians over plain's "
-        "median. "
+        f"{CHUNK_STEPS} steps, in an order drawn afresh for every cycle of turns, so no engine always follows the "
+        "same one), the heap frozen as vLLM's EngineCore freezes it; ratios are medians over plain's median. "
         "The wall clock of the same calls is beside it: on this 2-core machine it also counts the time the scheduler "
         "waited for a core held by the forwarder or the collector (which a server's other cores absorb); the "
         "forwarder's own CPU seconds per run are in the last column.",

@@ -25,7 +25,13 @@ from kvfabric import schema as S
 from kvfabric.config import load_hook_settings
 from kvfabric.hook import records as R
 from kvfabric.hook.install import Installation, build_hook
-from kvfabric.hook.steering import Steering, _hash_is_a_field_property, attach_steering
+from kvfabric.hook.steering import (
+    Steering,
+    _hash_is_a_field_property,
+    attach_steering,
+    freed_candidates,
+    freed_candidates_py,
+)
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.policies.base import EvictionPolicy, expand_report
 from kvfabric.policies.native_index import NativeIndex
@@ -242,6 +248,7 @@ def test_the_compiled_and_the_python_index_evict_alike(policy: str, ops: list[tu
     python = run_ops(ops, policy, num_blocks, 0, native=False)
     assert native.steering is not None and python.steering is not None
     assert type(native.steering.index) is NativeIndex and type(python.steering.index) is not NativeIndex
+    assert native.steering.candidates is freed_candidates and python.steering.candidates is freed_candidates_py
     assert (native.victims, native.evictions) == (python.victims, python.evictions)
     assert native.steering.victims == python.steering.victims
 

@@ -61,8 +61,7 @@ import functools
 import logging
 import types
 from collections.abc import Callable, Iterator
-from itertools import compress
-from operator import and_, not_
+from operator import attrgetter
 from typing import Any
 
 from kvfabric import schema as S
@@ -93,6 +92,9 @@ class Steering:
         #: Whether vLLM's ``KVCacheBlock.block_hash`` is a property over a ``_block_hash`` field (0.26, 0.33): read
         #: per block, the field costs an attribute load where the property costs a Python call.
         self.hash_field = False
+        self.hash_attr = "block_hash"  # the attribute read for a block's hash: ``_block_hash`` where hash_field
+        #: A free's candidates (:func:`freed_candidates_py`, or its compiled copy unless ``KVFABRIC_NATIVE_INDEX=0``).
+        self.candidates: Callable[..., tuple[list[int], list[int] | None]] = freed_candidates_py
         #: Whether the keeper follows no sealing (``StatisticsKeeper.sealless``): frees then name the candidates'
         #: content and give the index its parent links (:meth:`freed`).
         self.sealless = keeper is not None and keeper.sealless
@@ -123,9 +125,9 @@ class Steering:
         if self.errors == 1:
             log.exception("kvfabric: steering %s failed; eviction falls back to vLLM's order where needed", where)
 
-    def add(self, ids: list[int], parents: list[int] | None = None, raws: list[Any] | None = None) -> None:
+    def add(self, ids: list[int], parents: list[int] | None = None, *, named: bool = False) -> None:
         """Blocks ``ids`` (cached, unreferenced) became candidates together, in this order (``parents``: the block
-        holding each one's parent content, -1: none, where known; ``raws``: their vLLM hashes, where read
+        holding each one's parent content, -1: none, where known; ``named``: the keeper knows their content
         already); their scores go out in one ``SCORED`` record when events are recorded."""
         index = self.index
         if index is None or not ids:
@@ -134,8 +136,8 @@ class Steering:
             if any(map(index.held.__getitem__, ids)):
                 # Blocks coming back to the list were not in it: an entry they still have is stale (see above).
                 index.discard_all(ids)
-            if self.sealless and self.keeper is not None:  # (the keeper learns their content here: see freed)
-                self.keeper.table.name_all(ids, S.hash64_all(self._hashes(ids) if raws is None else raws))
+            if self.sealless and not named and self.keeper is not None:  # (the keeper learns their content here)
+                self.keeper.table.name_all(ids, S.hash64_all(self._hashes(ids)))
             ids, keys = index.add_many(ids, self.ctx, parents)
             pending = self.recorder.log
             if ids and pending is not None:
@@ -150,38 +152,24 @@ class Steering:
         """A ``FREED`` record (the keeper follows them here): blocks whose last reference went and that hold cached
         content (vLLM's own hash, the truth) become candidates (the null block never holds any).
 
-        With a keeper that follows no sealing (``StatisticsKeeper.sealless``) the candidates' hashes go to the
-        keeper (:meth:`add`), and their parent links come from the free's order: inside ``KVCacheManager.free``
+        With a keeper that follows no sealing (``StatisticsKeeper.sealless``) the candidates' digests go to the
+        keeper's table, and their parent links come from the free's order: inside ``KVCacheManager.free``
         (``ctx`` set), vLLM frees a request's blocks tail first, so each block's parent content is in the block
         after it, which the request held until now (so that block still holds it). Other frees (a sliding
-        window's dropped blocks, unpinned ones) give no links."""
+        window's dropped blocks, unpinned ones) give no links. :func:`freed_candidates` does it in one pass."""
         if self.index is None:
             return
         try:
-            ids, refs = rec[4], rec[5]
-            raws = self._hashes(ids)
-            parents = None
-            if self.sealless and self.ctx is not None:
-                null = self.null_block
-                parents = ids[1:]
-                if null in parents:  # (never along a full-attention request's blocks)
-                    parents = [p if p != null else -1 for p in parents]
-                parents.append(-1)
-            # Blocks other requests still hold, and (rarely) blocks vLLM left uncached, stay out: selected in C,
-            # as this runs once per free.
-            keep = list(map(not_, refs)) if any(refs) else None
-            if None in raws:
-                cached = [h is not None for h in raws]
-                keep = cached if keep is None else list(map(and_, keep, cached))
-            if keep is not None:
-                ids = list(compress(ids, keep))
-                raws = list(compress(raws, keep))
-                if parents is not None:
-                    parents = list(compress(parents, keep))
+            keeper = self.keeper
+            sealless = self.sealless and keeper is not None
+            ids, parents = self.candidates(rec[4], rec[5], self.blocks, self.hash_attr, self.null_block,
+                                            sealless and self.ctx is not None,
+                                            keeper.table.hash if sealless else None,  # type: ignore[union-attr]
+                                            S.hash64)
         except Exception:
             self.failed("add")
             return
-        self.add(ids, parents, raws)
+        self.add(ids, parents, named=True)
 
     def _hashes(self, ids: list[int]) -> list[Any]:
         """vLLM's hashes of blocks ``ids`` (None: not cached), through the field where the property is only that."""
@@ -210,6 +198,38 @@ class Steering:
         self.errors += 1
         log.warning("kvfabric: steering's victim index stopped (%s); eviction follows vLLM's order",
                     "the recorder stopped" if not self.recorder.on else "a discard failed")
+
+
+def freed_candidates_py(ids: list[int], refs: list[int], blocks: list[Any], field: str, null: int, chain: bool,
+                        names: list[Any] | None, hash64: Callable[[Any], Any]) -> tuple[list[int], list[int] | None]:
+    """The blocks of one free (``ids``, their ref counts after it ``refs``) that become candidates: unreferenced
+    and holding cached content (vLLM's hash, attribute ``field`` of ``blocks[b]``, not None), in the free's order.
+    With ``chain``, each one's parent block too: the id after it in the free (-1 for the last, and for the null
+    block). Where ``names`` is given, ``names[b] = hash64(hash)`` for each candidate. Returns (candidates,
+    parents or None). The compiled ``_order.freed_candidates`` is the same function in one pass (tested)."""
+    read = attrgetter(field)
+    out: list[int] = []
+    parents: list[int] | None = [] if chain else None
+    last = len(ids) - 1
+    for i, (b, ref) in enumerate(zip(ids, refs, strict=True)):
+        if ref:
+            continue  # another request still holds it
+        raw = read(blocks[b])
+        if raw is None:
+            continue  # not cached: reusing it evicts nothing
+        if names is not None:
+            names[b] = hash64(raw)
+        out.append(b)
+        if parents is not None:
+            p = ids[i + 1] if i < last else -1
+            parents.append(-1 if p == null else p)
+    return out, parents
+
+
+try:
+    from kvfabric.policies._order import freed_candidates
+except ImportError:  # (not built: see kvfabric/policies/native_index.py)
+    freed_candidates = freed_candidates_py
 
 
 def hook_queue(queue: Any, steering: Steering) -> None:
@@ -542,6 +562,8 @@ def attach_steering(
         queue = pool.free_block_queue
         steering.blocks = pool.blocks
         steering.hash_field = _hash_is_a_field_property(pool.blocks)
+        steering.hash_attr = "_block_hash" if steering.hash_field else "block_hash"
+        steering.candidates = freed_candidates if settings.native_index else freed_candidates_py
         steering.null_block = null_block
         hook_queue(queue, steering)
         keeper.follow(R.FREED, steering.freed)
