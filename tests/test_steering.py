@@ -24,10 +24,9 @@ from vllm.v1.request import Request
 from kvfabric import schema as S
 from kvfabric.config import load_hook_settings
 from kvfabric.hook import records as R
-from kvfabric.hook.install import Installation, build_hook
+from kvfabric.hook.install import Installation, build_hook, hash_is_a_field_property
 from kvfabric.hook.steering import (
     Steering,
-    _hash_is_a_field_property,
     attach_steering,
     freed_candidates,
     freed_candidates_py,
@@ -663,5 +662,5 @@ def test_frees_read_vllms_hash_field_only_where_the_property_is_that_field() -> 
     class Plain:
         block_hash = None
 
-    assert not _hash_is_a_field_property([Derived()]) and not _hash_is_a_field_property([Plain()])
-    assert not _hash_is_a_field_property([])
+    assert not hash_is_a_field_property([Derived()]) and not hash_is_a_field_property([Plain()])
+    assert not hash_is_a_field_property([])

@@ -164,6 +164,26 @@ class Recorder:
         return out
 
 
+def hash_is_a_field_property(blocks: list[Any]) -> bool:
+    """Whether ``block_hash`` of vLLM's blocks is a property that returns the ``_block_hash`` field (checked on a
+    block both ways: without its hash, and with a sentinel set and restored). Where it is (vLLM 0.26, 0.33), the
+    hook reads the field: per block, the property costs a Python call and the field an attribute load."""
+    if not blocks:
+        return False
+    blk = blocks[0]
+    if not isinstance(getattr(type(blk), "block_hash", None), property) or not hasattr(blk, "_block_hash"):
+        return False
+    saved = blk._block_hash
+    try:
+        sentinel = object()
+        blk._block_hash = sentinel
+        return blk.block_hash is sentinel
+    except Exception:
+        return False
+    finally:
+        blk._block_hash = saved
+
+
 def hook_pool(pool: Any, r: Recorder) -> None:
     """Record ``pool``'s calls in ``r``: instance attributes wrap the bound methods of this one pool object.
 
@@ -184,6 +204,7 @@ def hook_pool(pool: Any, r: Recorder) -> None:
     move_block_hashes = getattr(pool, "move_block_hashes", None)
     reset_prefix_cache = pool.reset_prefix_cache
     hash_block_size = getattr(pool, "hash_block_size", None)
+    hash_field = hash_is_a_field_property(pool.blocks)
 
     def kvfabric_get_new_blocks(num_blocks: int, *args: Any, **kwargs: Any) -> list[Any]:
         blocks = get_new_blocks(num_blocks, *args, **kwargs)
@@ -274,7 +295,8 @@ def hook_pool(pool: Any, r: Recorder) -> None:
                         parent_raw = hashes[start - 1]
             sealed = blocks[start:end]
             r.add((R.SEALED, r.clock(), r.step, request.request_id, r.family_of(request), start, prev,
-                   [b.block_id for b in sealed], [b.block_hash for b in sealed], parent_raw))
+                   [b.block_id for b in sealed],
+                   [b._block_hash for b in sealed] if hash_field else [b.block_hash for b in sealed], parent_raw))
         except Exception:
             r.failed("recording a seal")
 

@@ -68,6 +68,7 @@ from kvfabric import schema as S
 from kvfabric.config import HookSettings
 from kvfabric.hook import records as R
 from kvfabric.hook.hints import request_info
+from kvfabric.hook.install import hash_is_a_field_property
 from kvfabric.hook.lifecycle import StatisticsKeeper
 from kvfabric.policies import make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
@@ -379,25 +380,6 @@ QUEUE_HOOKS: dict[str, Callable[..., Any]] = {
 """The methods :func:`hook_queue` binds onto the queue instance, by the name vLLM calls."""
 
 
-def _hash_is_a_field_property(blocks: list[Any]) -> bool:
-    """Whether ``block_hash`` of vLLM's blocks is a property that returns the ``_block_hash`` field (checked on a
-    block both ways: without its hash, and with a sentinel set and restored)."""
-    if not blocks:
-        return False
-    blk = blocks[0]
-    if not isinstance(getattr(type(blk), "block_hash", None), property) or not hasattr(blk, "_block_hash"):
-        return False
-    saved = blk._block_hash
-    try:
-        sentinel = object()
-        blk._block_hash = sentinel
-        return blk.block_hash is sentinel
-    except Exception:
-        return False
-    finally:
-        blk._block_hash = saved
-
-
 def _iter_digests(hashes: Any, start: int) -> Iterator[int]:
     """64-bit digests of ``hashes[start:]``, computed lazily (policies stop at the first one they do not know)."""
     for i in range(start, len(hashes)):
@@ -561,7 +543,7 @@ def attach_steering(
     if policy is not None and index is not None and keeper is not None:
         queue = pool.free_block_queue
         steering.blocks = pool.blocks
-        steering.hash_field = _hash_is_a_field_property(pool.blocks)
+        steering.hash_field = hash_is_a_field_property(pool.blocks)
         steering.hash_attr = "_block_hash" if steering.hash_field else "block_hash"
         steering.candidates = freed_candidates if settings.native_index else freed_candidates_py
         steering.null_block = null_block
