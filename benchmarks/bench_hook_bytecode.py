@@ -14,7 +14,10 @@ move with the machine's speed, which on a shared 2-core machine swings from one 
 the effects worth measuring here. They are not time: instructions differ in cost (a call
 costs more than a local load), so a change is judged by both benchmarks, this one saying what changed and the
 timed one how much it was worth. Lifecycle events are recorded with sink ``none`` (the forwarder is another
-process: its work is not the scheduler thread's). Tracing makes a run ~30x slower (minutes per mode).
+process: its work is not the scheduler thread's). Compiled code executes no bytecode: where the victim index's
+compiled core is built (kvfabric/policies/native_index.py), the index's work, and the free path's one pass, are not
+in these counts at all; the timed benchmark and ``bench_hook_calls.py`` see them. Tracing makes a run ~30x slower
+(minutes per mode).
 """
 
 from __future__ import annotations

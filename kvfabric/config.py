@@ -62,7 +62,7 @@ class HookSettings:
     family_from_request_id: bool = False  # KVFABRIC_FAMILY_FROM_REQUEST_ID: "<family>/<rest>" request ids (opt-in)
     admission_gate_explicit: bool = False  # KVFABRIC_ADMISSION_ANCHOR_BLOCKS was set
     policy_model: str = ""  # KVFABRIC_POLICY_MODEL: the learned policy's model file ("" = the built-in default)
-    native_index: bool = True  # KVFABRIC_NATIVE_INDEX=0: the Python victim index even where the compiled one is built
+    native: bool = True  # KVFABRIC_NATIVE=0: the Python code even where the compiled parts are built
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -178,6 +178,6 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
         family_from_request_id=env.get("KVFABRIC_FAMILY_FROM_REQUEST_ID", "").strip().lower() in _TRUE,
         admission_gate_explicit=bool(env.get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS", "").strip()),
         policy_model=policy_model,
-        native_index=env.get("KVFABRIC_NATIVE_INDEX", "1").strip().lower() not in _FALSE,
+        native=env.get("KVFABRIC_NATIVE", "1").strip().lower() not in _FALSE,
         warnings=tuple(warnings),
     )

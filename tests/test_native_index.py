@@ -2,7 +2,7 @@
 
 The two must make the same decisions for the same calls: side by side under random operations (adversarial keys
 along chains, so deferral and restores happen), every answer and every block's state is compared. Bad input must
-raise and change nothing. ``KVFABRIC_NATIVE_INDEX=0`` must give the Python index. The reference-model tests of
+raise and change nothing. ``KVFABRIC_NATIVE=0`` must give the Python index. The reference-model tests of
 tests/test_policies.py run on both implementations too.
 """
 
@@ -15,27 +15,21 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from index_testkit import KeyFromTable as TableKey
+from index_testkit import Owner, forest
 
 from kvfabric.config import load_hook_settings
 from kvfabric.policies.base import EvictionPolicy
 from kvfabric.policies.index import HeapIndex, SegmentedIndex, VictimIndex, make_index
 from kvfabric.policies.native_index import BUILT, NativeIndex
-from kvfabric.side_table import SideTable
 
 
-class Owner:
-    def __init__(self, n: int) -> None:
-        self.table = SideTable(n)
-
-
-class KeyFromTable(EvictionPolicy):
-    """Test policy: a block's key is what the test wrote into ``hits`` (keys in any order along a chain)."""
-
-    name = "test_heap"
-    structure = "heap"
+class KeyFromTable(TableKey):
+    """A block's key is half what the test wrote into ``hits`` (keys in any order along a chain; halves, so that
+    segment mode truncates, as Python's int() does)."""
 
     def key(self, t: Any, b: int, now: int, ctx: Any) -> float:
-        return float(t.hits[b]) / 2  # (halves: segment mode then truncates, as Python's int() does)
+        return float(t.hits[b]) / 2
 
 
 class SegmentFromTable(KeyFromTable):
@@ -65,20 +59,9 @@ def test_native_and_python_indexes_decide_alike(policy_cls: type[EvictionPolicy]
     """Same calls, same answers, same state after each: the compiled index is a faster copy, not a new policy."""
     owner = Owner(N)
     t = owner.table
-    for b in range(N):
-        p = parents[b] if parents[b] < b else -1  # a forest: parents have lower ids
-        t.hash[b] = 1000 + b
-        t.parent_block[b] = p
-        t.parent[b] = None if p < 0 else 1000 + p
+    chain_of = forest(owner, parents)
     py = (HeapIndex if policy_cls.structure == "heap" else SegmentedIndex)(policy_cls(), owner, N)
     nat = NativeIndex(policy_cls(), owner, N, segments=policy_cls.structure == "segments")
-
-    def chain_of(b: int) -> list[int]:
-        out = [b]
-        while t.parent_block[out[-1]] >= 0:
-            out.append(t.parent_block[out[-1]])
-        return out
-
     for op, b, key in ops:
         if op in ("add", "chain"):
             ids = [b] if op == "add" else chain_of(b)
@@ -158,14 +141,14 @@ def test_the_core_refuses_arrays_it_cannot_use() -> None:
 
 def test_the_compiled_index_is_built_and_chosen_unless_switched_off() -> None:
     """The install builds it (a compiler is on every machine this suite runs on); make_index picks it by default,
-    and ``KVFABRIC_NATIVE_INDEX=0`` picks the Python index."""
+    and ``KVFABRIC_NATIVE=0`` picks the Python index."""
     assert BUILT
     owner = Owner(4)
     assert type(make_index(KeyFromTable(), owner, 4)) is NativeIndex
     assert type(make_index(SegmentFromTable(), owner, 4, native=False)) is SegmentedIndex
-    assert load_hook_settings({}).native_index is True
-    assert load_hook_settings({"KVFABRIC_NATIVE_INDEX": "0"}).native_index is False
-    assert load_hook_settings({"KVFABRIC_NATIVE_INDEX": "off"}).native_index is False
+    assert load_hook_settings({}).native is True
+    assert load_hook_settings({"KVFABRIC_NATIVE": "0"}).native is False
+    assert load_hook_settings({"KVFABRIC_NATIVE": "off"}).native is False
 
 
 class Block:

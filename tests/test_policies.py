@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from index_testkit import KeyFromTable, Owner, SegmentFromTable, forest
 
 from kvfabric.policies import POLICY_NAMES, make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
@@ -39,27 +40,6 @@ def new_index(policy: EvictionPolicy, owner: Any, n: int, native: bool) -> Victi
     index = make_index(policy, owner, n, native=native)
     assert isinstance(index, NativeIndex) == native, "the compiled index is not built here"
     return index
-
-
-class Owner:
-    def __init__(self, n: int) -> None:
-        self.table = SideTable(n)
-
-
-class KeyFromTable(EvictionPolicy):
-    """Test policy: the key is whatever the test wrote into ``hits`` (a heap policy)."""
-
-    name = "test_heap"
-    structure = "heap"
-
-    def key(self, t: Any, b: int, now: int, ctx: Any) -> float:
-        return float(t.hits[b])
-
-
-class SegmentFromTable(KeyFromTable):
-    name = "test_segments"
-    structure = "segments"
-    num_segments = 3
 
 
 @pytest.mark.parametrize("native", IMPLEMENTATIONS)
@@ -208,22 +188,12 @@ def test_index_matches_reference_model_with_chains(policy_cls: type[EvictionPoli
     n = 12
     owner = Owner(n)
     t = owner.table
-    for b in range(n):
-        p = parents[b] if parents[b] < b else -1  # a forest: parents have lower ids
-        t.hash[b] = 1000 + b
-        t.parent_block[b] = p
-        t.parent[b] = None if p < 0 else 1000 + p
+    chain_of = forest(owner, parents)
     index = new_index(policy_cls(), owner, n, native)
     clamp = (lambda k: k) if policy_cls.structure == "heap" else (lambda k: min(max(k, 0), 2))
     model: dict[int, tuple[float, int]] = {}
     link: dict[int, int] = {}
     arrival = 0
-    def chain_of(b: int) -> list[int]:
-        out = [b]
-        while t.parent_block[out[-1]] >= 0:
-            out.append(t.parent_block[out[-1]])
-        return out
-
     for op, b, key in ops:
         if op in ("add", "chain"):
             ids = [b] if op == "add" else chain_of(b)

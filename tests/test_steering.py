@@ -55,7 +55,7 @@ def make_manager(num_blocks: int, policy: str, anchor: int | None = 0, *,
     manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True,
                              hash_block_size=BLOCK)
     env = {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_EVICTION_POLICY": policy,
-           "KVFABRIC_NATIVE_INDEX": "1" if native else "0"}
+           "KVFABRIC_NATIVE": "1" if native else "0"}
     if anchor is not None:
         env["KVFABRIC_ADMISSION_ANCHOR_BLOCKS"] = str(anchor)
     hook_settings = load_hook_settings(env)
@@ -241,7 +241,7 @@ def test_one_block_at_a_time_evicts_what_one_call_for_all_evicts(policy: str, op
 @given(ops=OPS, num_blocks=st.integers(6, 24))
 def test_the_compiled_and_the_python_index_evict_alike(policy: str, ops: list[tuple], num_blocks: int) -> None:
     """Through vLLM's real pool, the compiled victim index (the default where it is built) and the Python one
-    (``KVFABRIC_NATIVE_INDEX=0``) evict the same blocks in the same order (tests/test_native_index.py compares
+    (``KVFABRIC_NATIVE=0``) evict the same blocks in the same order (tests/test_native_index.py compares
     them call by call)."""
     native = run_ops(ops, policy, num_blocks, 0, native=True)
     python = run_ops(ops, policy, num_blocks, 0, native=False)

@@ -94,7 +94,7 @@ class Steering:
         #: per block, the field costs an attribute load where the property costs a Python call.
         self.hash_field = False
         self.hash_attr = "block_hash"  # the attribute read for a block's hash: ``_block_hash`` where hash_field
-        #: A free's candidates (:func:`freed_candidates_py`, or its compiled copy unless ``KVFABRIC_NATIVE_INDEX=0``).
+        #: A free's candidates (:func:`freed_candidates_py`, or its compiled copy unless ``KVFABRIC_NATIVE=0``).
         self.candidates: Callable[..., tuple[list[int], list[int] | None]] = freed_candidates_py
         #: Whether the keeper follows no sealing (``StatisticsKeeper.sealless``): frees then name the candidates'
         #: content and give the index its parent links (:meth:`freed`).
@@ -536,7 +536,7 @@ def attach_steering(
         null_block = int(getattr(getattr(pool, "null_block", None), "block_id", 0) or 0)
         clock: list[VictimIndex] = []
         keeper = StatisticsKeeper(num_blocks, lambda: clock[0].now, null_block, policy.reads)
-        index = make_index(policy, keeper, num_blocks, native=settings.native_index)
+        index = make_index(policy, keeper, num_blocks, native=settings.native)
         clock.append(index)
         recorder.keeper = keeper
     steering = Steering(recorder, policy, index, keeper)
@@ -545,7 +545,7 @@ def attach_steering(
         steering.blocks = pool.blocks
         steering.hash_field = hash_is_a_field_property(pool.blocks)
         steering.hash_attr = "_block_hash" if steering.hash_field else "block_hash"
-        steering.candidates = freed_candidates if settings.native_index else freed_candidates_py
+        steering.candidates = freed_candidates if settings.native else freed_candidates_py
         steering.null_block = null_block
         hook_queue(queue, steering)
         keeper.follow(R.FREED, steering.freed)

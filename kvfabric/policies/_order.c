@@ -135,16 +135,16 @@ restore(Core *c, int32_t p)
     heap_push(c, p);
 }
 
-/* Block b (held) leaves for good: its parent has one held child fewer. */
-static void
-unlink_parent(Core *c, int32_t b)
+/* Block b leaves the candidates: its parent has one held child fewer. Returns the parent when that was its last
+   held child and it waits deferred (the caller puts it back), else -1. */
+static int32_t
+drop_link(Core *c, int32_t b)
 {
     int32_t p = c->link[b];
     if (p < 0)
-        return;
+        return -1;
     c->link[b] = -1;
-    if (--c->nkids[p] == 0 && c->deferred[p])
-        restore(c, p);
+    return (--c->nkids[p] == 0 && c->deferred[p]) ? p : -1;
 }
 
 static int
@@ -347,12 +347,9 @@ Core_discard_all(Core *c, PyObject *arg)
             c->deferred[b] = 0;
         else
             heap_remove(c, b);
-        int32_t p = c->link[b];
-        if (p >= 0) {
-            c->link[b] = -1;
-            if (--c->nkids[p] == 0 && c->deferred[p])
-                c->scratch[orphaned++] = p; /* (a block is orphaned once: its count reaches 0 once here) */
-        }
+        int32_t p = drop_link(c, b);
+        if (p >= 0)
+            c->scratch[orphaned++] = p; /* (a block is orphaned once: its count reaches 0 once here) */
     }
     c->size -= gone;
     for (Py_ssize_t i = 0; i < orphaned; i++) {
@@ -378,7 +375,9 @@ take(Core *c)
         }
         c->held[b] = 0;
         c->size--;
-        unlink_parent(c, b);
+        int32_t p = drop_link(c, b);
+        if (p >= 0)
+            restore(c, p);
         return b;
     }
     return -1;

@@ -103,11 +103,16 @@ class VictimIndex(ABC):
             return ids, []
         t = self.owner.table
         keys = self.policy.keys(t, ids, self.now, ctx)
+        self._place(ids, keys, self._table_parents(t, ids) if parents is None else parents)
+        return ids, keys
+
+    def _place(self, ids: list[int], keys: list[float], parents: list[int]) -> None:
+        """Hold blocks ``ids`` (none held) with ``keys`` (clamped here, in place, under held parents' keys) and
+        ``parents`` (-1: none), in this order."""
+        held = self.held
         own = self.keys
         link = self.link
         nkids = self.nkids
-        if parents is None:
-            parents = self._table_parents(t, ids)
         for i, b in enumerate(ids):
             p = parents[i]
             if p >= 0:
@@ -119,7 +124,6 @@ class VictimIndex(ABC):
             own[b] = keys[i]
         self.size += len(ids)
         self._insert_many(ids, keys)
-        return ids, keys
 
     @staticmethod
     def _table_parents(t: BlockStats, ids: list[int]) -> list[int]:

@@ -7,18 +7,20 @@ the same order for the same calls: ``tests/test_native_index.py`` checks it agai
 the Python index), and the order is the C core's indexed heap by (order key, arrival), which has no stale entries.
 
 Why: on vLLM's scheduler thread the index runs once per free, touch and eviction, and the Python index's time
-there is mostly cache misses on per-block Python objects (``benchmarks/results/hook_calls.md``: a ``pop()`` costs
-2.6x in place what it costs warm). The policy's keys stay in Python: the core only orders what they say.
+there is mostly cache misses on per-block Python objects (``benchmarks/results/hook_calls.md`` at cf5f3b9: the
+Python index's ``pop()`` cost 9.01 µs in place against 3.4 µs warm). The policy's keys stay in Python: the core
+only orders what they say.
 
 The extension is built by ``pip install`` where a C compiler is found (setup.py marks it optional); without it,
-or with ``KVFABRIC_NATIVE_INDEX=0``, :func:`~kvfabric.policies.index.make_index` returns the Python index.
+:func:`~kvfabric.policies.index.make_index` returns the Python index, as steering asks for with
+``KVFABRIC_NATIVE=0``.
 """
 
 from __future__ import annotations
 
 from array import array
 
-from kvfabric.policies.base import EvictionPolicy, RequestInfo, TableOwner
+from kvfabric.policies.base import EvictionPolicy, TableOwner
 from kvfabric.policies.index import VictimIndex
 
 try:
@@ -68,21 +70,8 @@ class NativeIndex(VictimIndex):
     def restores(self) -> int:  # type: ignore[override]
         return self.core.restores
 
-    def add_many(self, ids: list[int], ctx: RequestInfo | None = None,
-                 parents: list[int] | None = None) -> tuple[list[int], list[float]]:
-        held = self.held
-        if any(map(held.__getitem__, ids)):
-            if parents is not None:
-                parents = [p for b, p in zip(ids, parents, strict=True) if not held[b]]
-            ids = [b for b in ids if not held[b]]
-        if not ids:
-            return ids, []
-        t = self.owner.table
-        keys = self.policy.keys(t, ids, self.now, ctx)
-        if type(keys) is not list:  # (the core clamps the list in place)
-            keys = list(keys)
-        self.core.insert(ids, keys, self._table_parents(t, ids) if parents is None else parents)
-        return ids, keys
+    def _place(self, ids: list[int], keys: list[float], parents: list[int]) -> None:
+        self.core.insert(ids, keys, parents)  # (checks everything first; clamps ``keys`` in place)
 
     def discard(self, b: int) -> bool:
         if not self.held[b]:
