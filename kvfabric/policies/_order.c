@@ -1,4 +1,5 @@
-/* The victim index's bookkeeping and order, compiled (kvfabric.policies.native_index wraps it).
+/* The victim index's bookkeeping and order, compiled (kvfabric.policies.native_index wraps it); and a free's
+   candidates in one pass (freed_candidates, below; kvfabric.hook.steering.freed_candidates_py is its reference).
 
    Same rules as kvfabric/policies/index.py's VictimIndex, which stays the reference and the fallback:
      * a block is held at most once; candidates leave lowest (order key, arrival) first, where the order key is
