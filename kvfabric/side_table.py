@@ -37,7 +37,7 @@ LEAN_COLUMNS = INDEX_COLUMNS | {"hits", "depth"}
 CANDIDATE_COLUMNS = frozenset({"hash", "hits"})
 """What a keeper keeps with no sealing at all, for a policy that reads nothing else: ``hits`` counted by touches and
 restarted when vLLM hands the block out for new content (:meth:`SideTable.forget_all`), ``hash`` written when the
-block becomes a candidate (:meth:`SideTable.name_all`, from vLLM's own block). The victim index then takes its
+block becomes a candidate (steering's ``freed_candidates``, from vLLM's own block). The victim index then takes its
 parent links from the free itself (a request's blocks, tail first), not from ``parent`` / ``parent_block``."""
 
 
@@ -189,13 +189,6 @@ class SideTable:
         for b in ids:
             hashes[b] = None
             hits[b] = 0
-
-    def name_all(self, ids: list[int], digests: list[int | None]) -> None:
-        """Blocks ``ids`` became candidates holding content ``digests`` (:data:`CANDIDATE_COLUMNS`: a keeper that
-        follows no sealing learns a block's digest here, from vLLM's own block)."""
-        hashes = self.hash
-        for b, h in zip(ids, digests, strict=True):
-            hashes[b] = h
 
     def score_all(self, ids: list[int], scores: list[float], flags: list[bool]) -> None:
         """The policy's retain scores and protection flags of blocks ``ids``, set when they became candidates (what

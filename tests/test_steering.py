@@ -664,3 +664,26 @@ def test_frees_read_vllms_hash_field_only_where_the_property_is_that_field() -> 
 
     assert not hash_is_a_field_property([Derived()]) and not hash_is_a_field_property([Plain()])
     assert not hash_is_a_field_property([])
+
+
+def test_a_policy_attached_to_a_warm_pool_takes_its_cached_free_blocks_as_one_free() -> None:
+    """Steering attached where cached blocks are already free: they become candidates as one free's would, named
+    in the keeper's table from vLLM's own hashes, in the list's order (which is then the eviction order: they are
+    all of one class); uncached free blocks stay out."""
+    manager, inst, steering = make_manager(12, "lru")
+    assert steering is None
+    req = make_request("a", [7] * BLOCK * 4)
+    assert admit(manager, req) is not None
+    manager.free(req)
+    pool = manager.block_pool
+    free = free_list(pool)
+    cached = [b.block_id for b in free if b.block_hash is not None]
+    assert len(cached) == 4 and len(free) > len(cached)
+    settings_ = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none",
+                                    "KVFABRIC_EVICTION_POLICY": "adaptive_aging"})
+    steering = attach_steering(None, manager, inst, settings_)
+    index, keeper = steering.index, steering.keeper
+    assert index is not None and keeper is not None and keeper.sealless
+    assert [b for b in range(12) if index.held[b]] == sorted(cached) and len(index) == len(cached)
+    assert all(keeper.table.hash[b] == S.hash64(pool.blocks[b].block_hash) for b in cached)
+    assert index.pop_n(len(cached)) == cached

@@ -126,10 +126,10 @@ class Steering:
         if self.errors == 1:
             log.exception("kvfabric: steering %s failed; eviction falls back to vLLM's order where needed", where)
 
-    def add(self, ids: list[int], parents: list[int] | None = None, *, named: bool = False) -> None:
-        """Blocks ``ids`` (cached, unreferenced) became candidates together, in this order (``parents``: the block
-        holding each one's parent content, -1: none, where known; ``named``: the keeper knows their content
-        already); their scores go out in one ``SCORED`` record when events are recorded."""
+    def add(self, ids: list[int], parents: list[int] | None = None) -> None:
+        """Blocks ``ids`` (cached, unreferenced, their content already known to the keeper: :meth:`freed` names it)
+        became candidates together, in this order (``parents``: the block holding each one's parent content, -1:
+        none, where known); their scores go out in one ``SCORED`` record when events are recorded."""
         index = self.index
         if index is None or not ids:
             return
@@ -137,8 +137,6 @@ class Steering:
             if any(map(index.held.__getitem__, ids)):
                 # Blocks coming back to the list were not in it: an entry they still have is stale (see above).
                 index.discard_all(ids)
-            if self.sealless and not named and self.keeper is not None:  # (the keeper learns their content here)
-                self.keeper.table.name_all(ids, S.hash64_all(self._hashes(ids)))
             ids, keys = index.add_many(ids, self.ctx, parents)
             pending = self.recorder.log
             if ids and pending is not None:
@@ -170,14 +168,7 @@ class Steering:
         except Exception:
             self.failed("add")
             return
-        self.add(ids, parents, named=True)
-
-    def _hashes(self, ids: list[int]) -> list[Any]:
-        """vLLM's hashes of blocks ``ids`` (None: not cached), through the field where the property is only that."""
-        blocks = self.blocks
-        if self.hash_field:
-            return [blocks[b]._block_hash for b in ids]
-        return [blocks[b].block_hash for b in ids]
+        self.add(ids, parents)
 
     def touched(self, rec: tuple) -> None:
         """A ``TOUCHED`` record (the keeper follows them here): its blocks are in use again, no longer candidates."""
@@ -551,7 +542,9 @@ def attach_steering(
         keeper.follow(R.FREED, steering.freed)
         keeper.follow(R.TOUCHED, steering.touched)
         # Cached blocks already free (a hook installed on a warm pool) become candidates, in the list's order.
-        steering.add([blk.block_id for blk in queue.get_all_free_blocks() if blk.block_hash is not None])
+        # (Taken as one free of them, by no request: the same selection, naming and order as any free's.)
+        free_now = [blk.block_id for blk in queue.get_all_free_blocks()]
+        steering.freed((R.FREED, 0, 0, None, free_now, [0] * len(free_now)))
         _wrap_manager_for_policy(manager, steering, block_size, info_of)
     if settings.admission_gate_on:
         steering.gate = AnchorAdmissionGate(settings.admission_anchor_blocks)

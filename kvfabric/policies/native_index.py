@@ -73,12 +73,6 @@ class NativeIndex(VictimIndex):
     def _place(self, ids: list[int], keys: list[float], parents: list[int]) -> None:
         self.core.insert(ids, keys, parents)  # (checks everything first; clamps ``keys`` in place)
 
-    def discard(self, b: int) -> bool:
-        if not self.held[b]:
-            return False
-        self.core.discard_all((b,))
-        return True
-
     # The core orders blocks itself: VictimIndex's generic pop_n and its structure hooks are never reached.
     def _insert_many(self, ids: list[int], keys: list[float]) -> None:
         raise AssertionError("unreachable: NativeIndex inserts through its core")
