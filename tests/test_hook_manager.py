@@ -26,7 +26,7 @@ pytestmark = pytest.mark.vllm
 BLOCK = 16
 
 
-def make_manager(num_blocks: int, hooked: bool) -> tuple[KVCacheManager, Installation | None]:
+def make_manager(num_blocks: int, hooked: bool, native: bool = True) -> tuple[KVCacheManager, Installation | None]:
     init_none_hash(sha256)
     config = KVCacheConfig(
         num_blocks=num_blocks,
@@ -40,7 +40,8 @@ def make_manager(num_blocks: int, hooked: bool) -> tuple[KVCacheManager, Install
                              hash_block_size=BLOCK)
     inst = None
     if hooked:
-        settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_RUN_ID": "t"})
+        settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_RUN_ID": "t",
+                                       "KVFABRIC_NATIVE": "1" if native else "0"})
         inst = build_hook(manager, settings, block_size=BLOCK, engine="test", outlet="local")
         assert inst is not None
     return manager, inst
@@ -150,6 +151,28 @@ def test_rebuilt_and_regretful_eviction_detected() -> None:
     lookup_c = next(e for e in ev if e["event"] == S.PREFIX_LOOKUP and e["request_id"] == "c")
     assert lookup_c["hit_tokens"] == 0
     assert lookup_c["count"] == 3  # three regretful evictions: all wanted again within the window
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_sealed_blocks_carry_the_digests_vllm_stored_with_and_without_a_mask(native: bool) -> None:
+    """A seal's digests come from the request's hashes (one slice) unless a mask leaves blocks uncached; either
+    way each is the digest of the hash vLLM stored in the block (which appends the group id to the request's)."""
+    manager, inst = make_manager(11, hooked=True, native=native)
+    assert inst is not None
+    pool = manager.block_pool
+    admit(manager, make_request("x", [i // BLOCK for i in range(4 * BLOCK)] + [9]), 4 * BLOCK + 1)
+    stored = {b.block_id: S.hash64(b.block_hash) for b in pool.blocks if b.block_hash is not None}
+    sealed = {e["block_id"]: e["block_hash"] for e in events(inst) if e["event"] == S.BLOCK_SEALED}
+    assert len(sealed) == 4 and sealed == stored
+    assert all(len(b.block_hash) > 8 for b in pool.blocks if b.block_hash is not None)  # (the group id)
+
+    masked = make_request("y", [50 + i // BLOCK for i in range(3 * BLOCK)])
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(masked, blocks, 0, 3, BLOCK, 0, block_mask=[True, False, True])
+    ev = [e for e in events(inst) if e["event"] == S.BLOCK_SEALED]
+    assert blocks[1].block_hash is None  # vLLM left the masked block uncached: no life starts there
+    assert [e["block_id"] for e in ev] == [blocks[0].block_id, blocks[2].block_id]
+    assert [e["block_hash"] for e in ev] == [S.hash64(blocks[0].block_hash), S.hash64(blocks[2].block_hash)]
 
 
 class _Broken(list):

@@ -11,7 +11,9 @@ What runs on vLLM's scheduler thread is a :class:`Recorder`: one compact record 
 (:mod:`kvfabric.hook.records`), appended to a list, handed to an outlet every 100 ms, every 4096 records and when
 the last request ends (:meth:`Recorder.add`; the outlet is a shared-memory ring read by the forwarder process,
 which expands records into events off vLLM's GIL). When a policy needs block statistics in-process, the steering
-keeper applies the same records to its side table at once.
+keeper applies the same records to its side table at once. The four frequent pool calls have compiled hooks
+(:mod:`kvfabric.hook.compiled`) that make the same records where they are built; the Python hooks here are the
+reference, the fallback (``KVFABRIC_NATIVE=0``, no compiler) and the path of every call those are not sure of.
 
 Invariants:
   * vLLM's original method always runs, with the same arguments, and its result or exception is returned or
@@ -35,7 +37,7 @@ from typing import Any
 
 from kvfabric import schema as S
 from kvfabric.config import HookSettings
-from kvfabric.hook import forwarding
+from kvfabric.hook import compiled, forwarding
 from kvfabric.hook import records as R
 from kvfabric.hook.hints import request_family
 from kvfabric.hook.outlets import Outlet, make_outlet
@@ -112,12 +114,14 @@ class Recorder:
         stepper = self.stepper
         return 0 if stepper is None else stepper.current_step
 
-    def failed(self, where: str) -> None:
-        """KVFabric broke somewhere on vLLM's path: count, log once, stop recording; vLLM is not affected."""
+    def failed(self, where: str, exc: BaseException | None = None) -> None:
+        """KVFabric broke somewhere on vLLM's path: count, log once, stop recording; vLLM is not affected.
+        ``exc``: the failure, where it is not the exception being handled (the compiled hooks pass theirs)."""
         self.errors += 1
         self.on = False
         if self.errors == 1:
-            log.exception("kvfabric: %s failed; KVFabric is now off for this engine (vLLM is unaffected)", where)
+            log.error("kvfabric: %s failed; KVFabric is now off for this engine (vLLM is unaffected)", where,
+                      exc_info=exc if exc is not None else True)
 
     def add(self, record: tuple) -> None:
         """Apply ``record`` to the keeper (if a policy reads statistics) and log it (if recording).
@@ -184,7 +188,7 @@ def hash_is_a_field_property(blocks: list[Any]) -> bool:
         blk._block_hash = saved
 
 
-def hook_pool(pool: Any, r: Recorder) -> None:
+def hook_pool(pool: Any, r: Recorder, native: bool = False) -> None:
     """Record ``pool``'s calls in ``r``: instance attributes wrap the bound methods of this one pool object.
 
     Why instance attributes and not a subclass swapped into ``pool.__class__``: on CPython 3.11 assigning
@@ -192,9 +196,16 @@ def hook_pool(pool: Any, r: Recorder) -> None:
     methods then takes the slower lookup (``get_usage`` slower: ``benchmarks/results/hook_layout.md``); the
     scheduler reads the pool many times per step. Adding attributes keeps the object's shared-key layout, so
     vLLM's code runs as fast as unhooked.
+
+    With ``native`` (and the extension built: :mod:`kvfabric.hook.compiled`), the four frequent methods get
+    compiled hooks that record as these Python ones do, and pass them every call they are not sure of. A
+    ``SEALED`` record takes its hashes from the
+    request (one slice) where vLLM gave each block the request's hash of its position: that hash and the block's
+    differ only past their first 8 bytes (vLLM appends the group id), which is all a digest reads
+    (``schema.hash64``).
     """
     # Blocks carry a .pool field (0.33+): a free may hand over other pools' blocks, which their own hook records.
-    own_blocks = bool(pool.blocks) and hasattr(pool.blocks[0], "pool")
+    own = pool if bool(pool.blocks) and hasattr(pool.blocks[0], "pool") else None
     get_new_blocks = pool.get_new_blocks
     evict_blocks = pool.evict_blocks
     touch = pool.touch
@@ -205,6 +216,7 @@ def hook_pool(pool: Any, r: Recorder) -> None:
     reset_prefix_cache = pool.reset_prefix_cache
     hash_block_size = getattr(pool, "hash_block_size", None)
     hash_field = hash_is_a_field_property(pool.blocks)
+    hash_name = "_block_hash" if hash_field else "block_hash"
 
     def kvfabric_get_new_blocks(num_blocks: int, *args: Any, **kwargs: Any) -> list[Any]:
         blocks = get_new_blocks(num_blocks, *args, **kwargs)
@@ -232,14 +244,14 @@ def hook_pool(pool: Any, r: Recorder) -> None:
         evict_blocks(block_ids, *args, **kwargs)
 
     def record_refs(op: int, rid: str | None, blocks: Any, where: str, *, flatten: bool = False,
-                    own: bool = False) -> None:
-        """One record of the blocks whose ref counts a call moved: their ids and ref counts after it."""
+                    owner: Any = None) -> None:
+        """One record of the blocks whose ref counts a call moved: their ids and ref counts after it (only of
+        ``owner``'s blocks when given)."""
         try:
             if flatten:
                 blocks = _flatten_blocks(blocks)
-            if own and own_blocks:
-                # Blocks of another pool were handed over to it: that pool's hook records them.
-                blocks = [b for b in blocks if b.pool is pool]
+            if owner is not None:
+                blocks = [b for b in blocks if b.pool is owner]
             r.add((op, r.clock(), r.step, rid, [b.block_id for b in blocks], [b.ref_cnt for b in blocks]))
         except Exception:
             r.failed(where)
@@ -253,7 +265,7 @@ def hook_pool(pool: Any, r: Recorder) -> None:
         blocks = list(ordered_blocks)
         free_blocks(blocks, *args, **kwargs)
         if r.on:
-            record_refs(R.FREED, r.rid, blocks, "recording a free", own=True)
+                        record_refs(R.FREED, r.rid, blocks, "recording a free", owner=own)
 
     def kvfabric_unpin_blocks(blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
         assert unpin_blocks is not None
@@ -273,12 +285,13 @@ def hook_pool(pool: Any, r: Recorder) -> None:
         **kwargs: Any,
     ) -> None:
         gate = r.gate
+        mask = kwargs.get("block_mask", args[0] if args else None)
         if gate is not None and r.on and num_cached_blocks < num_full_blocks:
             # The admission gate narrows vLLM's own mask (docs/design.md §3: a masked block is never cached).
             # Its mask() never raises: on any internal error vLLM's own mask stands.
-            mask = kwargs.pop("block_mask", args[0] if args else None)
+            kwargs.pop("block_mask", None)
             args = ()
-            kwargs["block_mask"] = gate.mask(r, request, num_cached_blocks, num_full_blocks, mask)
+            mask = kwargs["block_mask"] = gate.mask(r, request, num_cached_blocks, num_full_blocks, mask)
         cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
                           *args, **kwargs)
         if num_cached_blocks >= num_full_blocks or not r.on:
@@ -287,16 +300,21 @@ def hook_pool(pool: Any, r: Recorder) -> None:
             start, end = num_cached_blocks, num_full_blocks
             parent_raw = None
             prev = None
+            hashes = request.block_hashes if (hash_block_size or block_size) == block_size else None
             if start > 0:
                 prev = blocks[start - 1].block_id
-                if (hash_block_size or block_size) == block_size:
-                    hashes = request.block_hashes
-                    if start - 1 < len(hashes):
-                        parent_raw = hashes[start - 1]
+                if hashes is not None and start - 1 < len(hashes):
+                    parent_raw = hashes[start - 1]
             sealed = blocks[start:end]
-            r.add((R.SEALED, r.clock(), r.step, request.request_id, r.family_of(request), start, prev,
-                   [b.block_id for b in sealed],
-                   [b._block_hash for b in sealed] if hash_field else [b.block_hash for b in sealed], parent_raw))
+            if hashes is not None and mask is None and len(hashes) >= end:
+                # (Every block got its position's hash; a null block's is dropped by the id, as vLLM skips it.)
+                ids = [b.block_id for b in sealed]
+                raws = hashes[start:end]
+            else:  # (some blocks masked, or hashes of another block size: read what vLLM stored)
+                ids = [b.block_id for b in sealed]
+                raws = [b._block_hash for b in sealed] if hash_field else [b.block_hash for b in sealed]
+            r.add((R.SEALED, r.clock(), r.step, request.request_id, r.family_of(request), start, prev, ids, raws,
+                   parent_raw))
         except Exception:
             r.failed("recording a seal")
 
@@ -330,11 +348,17 @@ def hook_pool(pool: Any, r: Recorder) -> None:
         "move_block_hashes": kvfabric_move_block_hashes,
         "reset_prefix_cache": kvfabric_reset_prefix_cache,
     }
+    ops = {"get_new_blocks": R.ALLOCATED, "touch": R.TOUCHED, "free_blocks": R.FREED,
+           "cache_full_blocks": R.SEALED}
+    # The compiled hooks stamp records with the wall clock: a replay's simulated clock keeps the Python ones.
+    fast = native and compiled.Hook is not None and r.clock is time.time_ns
     for name, fn in hooks.items():
         original = getattr(pool, name, None)
         if original is None:  # not in this vLLM (unpin_blocks before 0.33): nothing to wrap
             continue
         fn.__wrapped__ = original  # type: ignore[attr-defined]  # its own name stays (profiles)
+        if fast and name in ops:
+            fn = compiled.Hook(name, original, fn, r, own, hash_name, hash_block_size, HANDOVER_RECORDS, ops[name])
         setattr(pool, name, fn)
     pool._kvfabric = r
 
@@ -515,7 +539,7 @@ def build_hook(
     recorder = Recorder(settings, recording=settings.lifecycle, block_size=block_size, clock=clock or time.time_ns)
     out = make_outlet(outlet, settings, metadata)
     installation = Installation(recorder, out, metadata, num_blocks, block_size)
-    hook_pool(pool, recorder)
+    hook_pool(pool, recorder, settings.native)
     recorder.handover = installation.flush
     _wrap_manager(manager, recorder)
     if settings.steers or policy is not None:

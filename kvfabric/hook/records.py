@@ -20,8 +20,10 @@ op              fields after the op code
 ``TOUCHED``     ts, step, request_id, block ids, ref counts after
 ``FREED``       ts, step, request_id, block ids, ref counts after
 ``SEALED``      ts, step, request_id, family, start, id of block ``start-1`` (None at the root), block ids
-                of ``blocks[start:end]``, their raw hashes (None where the mask kept one uncached), the
-                request's raw hash of block ``start-1`` (the parent when that block holds none)
+                of ``blocks[start:end]``, their raw hashes (the request's of those positions where vLLM gave
+                each block its position's hash, which it stores with the group id appended; else the blocks'
+                own, None where the mask kept one uncached), the request's raw hash of block ``start-1`` (the
+                parent when that block holds none)
 ``EVICTING``    ts, step, request_id, block ids, raw hashes (``evict_blocks``, before vLLM clears them)
 ``MOVED``       ts, step, request_id, source block id, destination block id   (``move_block_hashes``)
 ``RESET``       ts, step                (``reset_prefix_cache`` succeeded)
