@@ -17,8 +17,8 @@ timed one how much it was worth. Lifecycle events are recorded with sink ``none`
 process: its work is not the scheduler thread's). Compiled code executes no bytecode: where the compiled parts
 are built (kvfabric/policies/native_index.py, kvfabric/hook/compiled.py), the victim index's work, the free path's
 one pass and the recording of the four frequent pool calls are not in these counts at all; the timed benchmark
-and ``bench_hook_calls.py`` see them (``KVFABRIC_NATIVE=0`` counts the Python code instead). Tracing makes a run ~30x slower
-(minutes per mode).
+and ``bench_hook_calls.py`` see them (``KVFABRIC_NATIVE=0`` counts the Python code instead). Tracing makes a run
+~30x slower (minutes per mode).
 """
 
 from __future__ import annotations

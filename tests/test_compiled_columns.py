@@ -17,8 +17,6 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvfabric.hook import compiled
 
-pytestmark = pytest.mark.skipif(not compiled.BUILT, reason="the install did not build kvfabric.hook._recorder")
-
 
 def reference(blocks: Any, names: tuple[str, ...], pool: Any = None) -> tuple[list[Any], ...]:
     """The Python hooks' way: a pool filter, then one list comprehension per field."""

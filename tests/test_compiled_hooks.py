@@ -21,8 +21,7 @@ from kvfabric.hook.install import Installation, Recorder, build_hook
 from kvfabric.sim.harness import SimulatedEngine, build_scheduler
 from kvfabric.sim.workload import demo_workload
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not compiled.BUILT, reason="the install did not build kvfabric.hook._recorder")]
+pytestmark = pytest.mark.vllm
 NUM_BLOCKS = 160
 HOOKED = ("get_new_blocks", "touch", "free_blocks", "cache_full_blocks")
 
@@ -168,6 +167,14 @@ def test_a_failure_while_recording_is_counted_and_vllm_gets_its_blocks(native: b
     pool.free_blocks(blocks)  # recording is off: vLLM alone
     assert rest(inst, records) == [] and inst.recorder.errors == 1
     assert pool.get_num_free_blocks() == 19
+
+
+def test_the_compiled_hooks_are_built_and_installed_unless_switched_off() -> None:
+    """The install builds them (a compiler is on every machine this suite runs on); the hook installs them by
+    default and ``KVFABRIC_NATIVE=0`` keeps the Python hooks (``hooked`` checks each pool method's type)."""
+    assert compiled.BUILT
+    for native in (True, False):
+        hooked(native, num_blocks=8)
 
 
 def test_vllms_own_errors_pass_through_unchanged() -> None:
