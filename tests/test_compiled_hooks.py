@@ -147,6 +147,21 @@ def test_calls_the_compiled_hook_is_not_sure_of_take_the_python_hook() -> None:
     assert [r[0] for r in rest(inst, records)] == [R.ALLOCATED, R.ALLOCATED]
 
 
+def test_a_simulated_clock_stamps_every_record() -> None:
+    """A replay's clock is not the wall clock the compiled path stamps with: its calls take the Python hooks."""
+    scheduler = build_scheduler(20, load_plugins=False)
+    settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"})
+    inst = build_hook(scheduler.kv_cache_manager, settings, scheduler=scheduler, engine="t", clock=lambda: 42)
+    assert inst is not None
+    records: list[tuple] = []
+    inst.recorder.handover = lambda: records.extend(inst.recorder.take())
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool.get_new_blocks, compiled.Hook)
+    pool.free_blocks(pool.get_new_blocks(2))
+    rest(inst, records)
+    assert [r[0] for r in records] == [R.ALLOCATED, R.FREED] and {r[1] for r in records} == {42}
+
+
 class _BrokenStepper:
     @property
     def current_step(self) -> int:

@@ -11,9 +11,9 @@
    record the Python hook makes, applying it as Recorder.add does (the steering keeper's handler, then the record
    list). The fast path is taken only when the Python hook would do nothing but record: the recorder is on and of
    exactly the Recorder type it was built for (so a subclass's add is honoured), no admission gate (it changes
-   cache_full_blocks' mask), the clock is the wall clock, the record list is a plain list (or None: not
-   recording), and the arguments have the shape vLLM 0.26/0.33 pass. Anything else takes the slow path, so
-   behaviour is always the Python hook's; tests compare the two record by record.
+   cache_full_blocks' mask), the recorder's clock is time.time_ns (a replay's simulated clock is not), the record
+   list is a plain list (or None: not recording), and the arguments have the shape vLLM 0.26/0.33 pass. Anything
+   else takes the slow path, so behaviour is always the Python hook's; tests compare the two record by record.
 
    Why compiled: these calls run on vLLM's scheduler thread, a few thousand times per second, each between long
    stretches of vLLM's own work. Their cost is mostly the interpreter's: a frame, argument repacking (vLLM passes
@@ -161,9 +161,10 @@ static const char *const failure_names[K_KINDS] = {"recording an allocation", "r
 static const long op_codes[K_KINDS] = {4, 5, 6, 7}; /* records.ALLOCATED, TOUCHED, FREED, SEALED (checked) */
 
 /* The Recorder's slots the fast path reads. */
-enum { R_ON, R_KEEPER, R_LOG, R_GATE, R_RID, R_VICTIMS, R_STEPPER, R_HANDOVER_AT, R_HANDOVER, R_FAMILIES, R_SLOTS };
+enum { R_ON, R_KEEPER, R_LOG, R_GATE, R_RID, R_VICTIMS, R_STEPPER, R_HANDOVER_AT, R_HANDOVER, R_FAMILIES, R_CLOCK,
+       R_SLOTS };
 static const char *const recorder_slots[R_SLOTS] = {"on", "keeper", "log", "gate", "rid", "victims", "stepper",
-                                                   "handover_at", "handover", "families"};
+                                                   "handover_at", "handover", "families", "clock"};
 
 /* cache_full_blocks' parameters, as vLLM 0.26/0.33 name them. */
 enum { P_REQUEST, P_BLOCKS, P_CACHED, P_FULL, P_BLOCK_SIZE, P_GROUP, P_MASK, P_PARAMS };
@@ -171,7 +172,8 @@ static const char *const seal_params[P_PARAMS] = {"request", "blocks", "num_cach
                                                   "block_size", "kv_cache_group_id", "block_mask"};
 
 static PyObject *s_block_id, *s_ref_cnt, *s_current_step, *s_block_hashes, *s_request_id, *s_family_of,
-    *s_failed, *s_handler, *s_append, *s_params[P_PARAMS];
+    *s_failed, *s_handler, *s_append, *s_monotonic, *s_params[P_PARAMS];
+static PyObject *time_module, *wall_clock; /* the time module; time.time_ns as it was at import */
 
 typedef struct {
     PyObject_HEAD
@@ -206,7 +208,7 @@ clock_ns(clockid_t id)
 static int
 fast_path_applies(Hook *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (Py_TYPE(h->recorder) != h->recorder_type || rslot(h, R_ON) != Py_True)
+    if (Py_TYPE(h->recorder) != h->recorder_type || rslot(h, R_ON) != Py_True || rslot(h, R_CLOCK) != wall_clock)
         return 0;
     PyObject *log = rslot(h, R_LOG);
     if (log == NULL || !(log == Py_None || PyList_CheckExact(log)))
@@ -278,7 +280,15 @@ append_record(Hook *h, PyObject *record)
         double when = at == NULL ? 0.0 : PyFloat_AsDouble(at);
         if (when == -1.0 && PyErr_Occurred())
             return -1;
-        due = (double)clock_ns(CLOCK_MONOTONIC) / 1e9 >= when; /* time.monotonic() */
+        /* time.monotonic(), looked up as Recorder.add looks it up (tests freeze it) */
+        PyObject *monotonic = PyObject_GetAttr(time_module, s_monotonic);
+        PyObject *now = monotonic == NULL ? NULL : PyObject_CallNoArgs(monotonic);
+        Py_XDECREF(monotonic);
+        double t = now == NULL ? -1.0 : PyFloat_AsDouble(now);
+        Py_XDECREF(now);
+        if (t == -1.0 && PyErr_Occurred())
+            return -1;
+        due = t >= when;
     }
     if (due) {
         PyObject *handover = rslot(h, R_HANDOVER);
@@ -711,6 +721,7 @@ intern_all(void)
     INTERN(s_failed, "failed");
     INTERN(s_handler, "handler");
     INTERN(s_append, "append");
+    INTERN(s_monotonic, "monotonic");
     for (int i = 0; i < P_PARAMS; i++)
         INTERN(s_params[i], seal_params[i]);
 #undef INTERN
@@ -721,6 +732,10 @@ PyMODINIT_FUNC
 PyInit__recorder(void)
 {
     if (intern_all() < 0 || PyType_Ready(&HookType) < 0)
+        return NULL;
+    if ((time_module = PyImport_ImportModule("time")) == NULL)
+        return NULL;
+    if ((wall_clock = PyObject_GetAttrString(time_module, "time_ns")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -350,8 +350,7 @@ def hook_pool(pool: Any, r: Recorder, native: bool = False) -> None:
     }
     ops = {"get_new_blocks": R.ALLOCATED, "touch": R.TOUCHED, "free_blocks": R.FREED,
            "cache_full_blocks": R.SEALED}
-    # The compiled hooks stamp records with the wall clock: a replay's simulated clock keeps the Python ones.
-    fast = native and compiled.Hook is not None and r.clock is time.time_ns
+    fast = native and compiled.Hook is not None
     for name, fn in hooks.items():
         original = getattr(pool, name, None)
         if original is None:  # not in this vLLM (unpin_blocks before 0.33): nothing to wrap
