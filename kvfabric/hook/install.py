@@ -199,10 +199,9 @@ def hook_pool(pool: Any, r: Recorder, native: bool = False) -> None:
 
     With ``native`` (and the extension built: :mod:`kvfabric.hook.compiled`), the four frequent methods get
     compiled hooks that record as these Python ones do, and pass them every call they are not sure of. A
-    ``SEALED`` record takes its hashes from the
-    request (one slice) where vLLM gave each block the request's hash of its position: that hash and the block's
-    differ only past their first 8 bytes (vLLM appends the group id), which is all a digest reads
-    (``schema.hash64``).
+    ``SEALED`` record takes its hashes from the request (one slice) where vLLM gave each block the request's hash
+    of its position: that hash and the block's differ only past their first 8 bytes (vLLM appends the group id),
+    which is all a digest reads (``schema.hash64``).
     """
     # Blocks carry a .pool field (0.33+): a free may hand over other pools' blocks, which their own hook records.
     own = pool if bool(pool.blocks) and hasattr(pool.blocks[0], "pool") else None
@@ -265,7 +264,7 @@ def hook_pool(pool: Any, r: Recorder, native: bool = False) -> None:
         blocks = list(ordered_blocks)
         free_blocks(blocks, *args, **kwargs)
         if r.on:
-                        record_refs(R.FREED, r.rid, blocks, "recording a free", owner=own)
+            record_refs(R.FREED, r.rid, blocks, "recording a free", owner=own)
 
     def kvfabric_unpin_blocks(blocks: Iterable[Any], *args: Any, **kwargs: Any) -> None:
         assert unpin_blocks is not None
@@ -306,12 +305,11 @@ def hook_pool(pool: Any, r: Recorder, native: bool = False) -> None:
                 if hashes is not None and start - 1 < len(hashes):
                     parent_raw = hashes[start - 1]
             sealed = blocks[start:end]
+            ids = [b.block_id for b in sealed]
             if hashes is not None and mask is None and len(hashes) >= end:
                 # (Every block got its position's hash; a null block's is dropped by the id, as vLLM skips it.)
-                ids = [b.block_id for b in sealed]
                 raws = hashes[start:end]
             else:  # (some blocks masked, or hashes of another block size: read what vLLM stored)
-                ids = [b.block_id for b in sealed]
                 raws = [b._block_hash for b in sealed] if hash_field else [b.block_hash for b in sealed]
             r.add((R.SEALED, r.clock(), r.step, request.request_id, r.family_of(request), start, prev, ids, raws,
                    parent_raw))
