@@ -11,6 +11,8 @@ so drift and noise hit every arm alike. Arms:
               vLLM's own observability
   lru         KVFABRIC_LIFECYCLE=1 streaming to a real collector (forwarder child, Arrow, Unix socket)
   lru_nosink  the same recording with KVFABRIC_SINK=none: the scheduler thread's share of the cost alone
+  lru_python  ``lru`` with KVFABRIC_NATIVE=0: the Python hooks where the compiled ones are built (build them on
+              the GPU machine first: ``python3 setup.py build_ext --inplace``)
   lru_before  the same with the hook of an earlier revision (``--before DIR``: a checkout's ``kvfabric`` package,
               put first on that worker's PYTHONPATH), for a side-by-side before/after
   adaptive_aging  ``lru`` with KVFABRIC_EVICTION_POLICY=adaptive_aging: the policy's index, statistics and queue
@@ -334,6 +336,8 @@ def main() -> int:
             env["KVFABRIC_EVICTION_POLICY"] = "adaptive_aging"
         if name == "lru_nosink":
             env["KVFABRIC_SINK"] = "none"  # recording on the scheduler thread, no forwarder, nothing sent
+        if name == "lru_python":
+            env["KVFABRIC_NATIVE"] = "0"  # the Python hooks, where the compiled ones are built
         if name == "lru_before":
             if not args.before:
                 raise SystemExit("--arms lru_before needs --before DIR")

@@ -90,6 +90,7 @@ ARM_TEXT = {
     "kv_events": "vLLM's own KV-event publisher (ZMQ), drained",
     "lru": "KVFabric streaming to a collector (the run's revision)",
     "lru_nosink": "KVFabric recording, `KVFABRIC_SINK=none` (the run's revision)",
+    "lru_python": "KVFabric streaming, the Python hooks (`KVFABRIC_NATIVE=0`; the run's revision)",
     "lru_before": "KVFabric streaming, revision fab6a7f (before issue 7)",
     "adaptive_aging": "KVFabric streaming with `adaptive_aging` steering (the run's revision)",
 }
