@@ -72,6 +72,14 @@ RUNS: dict[str, tuple[str, str]] = {
     "q05b-r9": ("Qwen2-0.5B shape, 5 rounds, revision cf5f3b9, pinned, the engine slots reversed (plain last)",
                 "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r9 --shape qwen2-0.5b --rounds 5 --scale 3 "
                 "--arms adaptive_aging,lru,plain"),
+    "8b-r9": ("Llama-3-8B shape, 5 rounds, revision 4c437c0 (the compiled pool hooks, built on the GPU machine with "
+              "`.gpu/probe/build.sh`: gcc over `kvfabric/hook/_recorder.c` and `kvfabric/policies/_order.c`), pinned",
+              "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o9 --shape llama-3-8b --rounds 5 --scale 1.5 "
+              "--arms plain,kv_events,lru,lru_python"),
+    "8b-r10": ("Llama-3-8B shape, 5 rounds, revision 4c437c0 (compiled pool hooks), pinned, the engine slots reversed "
+               "(plain last)",
+               "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o10 --shape llama-3-8b --rounds 5 --scale 1.5 "
+               "--arms lru_python,lru,kv_events,plain"),
 }
 
 #: Runs of one revision and shape with the arms in opposite engine slots: taken together, the slot's effect cancels
@@ -83,6 +91,7 @@ POOLS: dict[str, tuple[str, ...]] = {
     "8b-r7+r8 (adaptive_aging)": ("8b-r7", "8b-r8"),
     "q05b-r6+r7 (adaptive_aging)": ("q05b-r6", "q05b-r7"),
     "q05b-r8+r9 (adaptive_aging, revision cf5f3b9)": ("q05b-r8", "q05b-r9"),
+    "8b-r9+r10 (compiled pool hooks, revision 4c437c0)": ("8b-r9", "8b-r10"),
 }
 
 ARM_TEXT = {
