@@ -73,7 +73,7 @@ RUNS: dict[str, tuple[str, str]] = {
                 "python3 benchmarks/gpu/h200_overhead.py --out $OUT/q05b-r9 --shape qwen2-0.5b --rounds 5 --scale 3 "
                 "--arms adaptive_aging,lru,plain"),
     "8b-r9": ("Llama-3-8B shape, 5 rounds, revision 4c437c0 (the compiled pool hooks, built on the GPU machine with "
-              "`.gpu/probe/build.sh`: gcc over `kvfabric/hook/_recorder.c` and `kvfabric/policies/_order.c`), pinned",
+              "`benchmarks/gpu/staging/build_ext.sh`: gcc over `_recorder.c` and `_order.c`), pinned",
               "python3 benchmarks/gpu/h200_overhead.py --out /tmp/o9 --shape llama-3-8b --rounds 5 --scale 1.5 "
               "--arms plain,kv_events,lru,lru_python"),
     "8b-r10": ("Llama-3-8B shape, 5 rounds, revision 4c437c0 (compiled pool hooks), pinned, the engine slots reversed "
