@@ -1,6 +1,6 @@
 """The compiled parts, each a copy of a Python reference on vLLM's scheduler thread: the victim index's core and a
-free's candidates (kvfabric/policies/_order.c; see native_index.py), and the fields of a call's blocks that the
-hook's records list (kvfabric/hook/_columns.c; see columns.py). Optional: an install without a C compiler still
+free's candidates (kvfabric/policies/_order.c; see native_index.py), and the recording of the four frequent pool
+calls (kvfabric/hook/_recorder.c; see kvfabric/hook/compiled.py). Optional: an install without a C compiler still
 succeeds and runs the Python code, as KVFABRIC_NATIVE=0 does."""
 
 from setuptools import Extension, setup

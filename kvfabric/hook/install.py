@@ -188,6 +188,12 @@ def hash_is_a_field_property(blocks: list[Any]) -> bool:
         blk._block_hash = saved
 
 
+def hash_attribute(blocks: list[Any]) -> str:
+    """The attribute of vLLM's blocks to read a block's hash from: ``_block_hash`` where ``block_hash`` is only a
+    property over it (:func:`hash_is_a_field_property`), else ``block_hash``."""
+    return "_block_hash" if hash_is_a_field_property(blocks) else "block_hash"
+
+
 def hook_pool(pool: Any, r: Recorder, native: bool = False) -> None:
     """Record ``pool``'s calls in ``r``: instance attributes wrap the bound methods of this one pool object.
 
@@ -214,8 +220,8 @@ def hook_pool(pool: Any, r: Recorder, native: bool = False) -> None:
     move_block_hashes = getattr(pool, "move_block_hashes", None)
     reset_prefix_cache = pool.reset_prefix_cache
     hash_block_size = getattr(pool, "hash_block_size", None)
-    hash_field = hash_is_a_field_property(pool.blocks)
-    hash_name = "_block_hash" if hash_field else "block_hash"
+    hash_name = hash_attribute(pool.blocks)
+    hash_field = hash_name == "_block_hash"  # (the Python hooks branch on it: an attribute load, not getattr)
 
     def kvfabric_get_new_blocks(num_blocks: int, *args: Any, **kwargs: Any) -> list[Any]:
         blocks = get_new_blocks(num_blocks, *args, **kwargs)

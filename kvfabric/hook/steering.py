@@ -68,7 +68,7 @@ from kvfabric import schema as S
 from kvfabric.config import HookSettings
 from kvfabric.hook import records as R
 from kvfabric.hook.hints import request_info
-from kvfabric.hook.install import hash_is_a_field_property
+from kvfabric.hook.install import hash_attribute
 from kvfabric.hook.lifecycle import StatisticsKeeper
 from kvfabric.policies import make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
@@ -534,8 +534,8 @@ def attach_steering(
     if policy is not None and index is not None and keeper is not None:
         queue = pool.free_block_queue
         steering.blocks = pool.blocks
-        steering.hash_field = hash_is_a_field_property(pool.blocks)
-        steering.hash_attr = "_block_hash" if steering.hash_field else "block_hash"
+        steering.hash_attr = hash_attribute(pool.blocks)
+        steering.hash_field = steering.hash_attr == "_block_hash"
         steering.candidates = freed_candidates if settings.native else freed_candidates_py
         steering.null_block = null_block
         hook_queue(queue, steering)
