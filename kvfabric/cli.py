@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvfabric.usage import EXIT_USAGE, UsageError
+
 # name -> (module, one-line help). Modules are imported lazily (vLLM's import alone takes ~12 s).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvfabric.demo", "run a built-in workload through vLLM's real scheduler on CPU and report (no GPU)"),
@@ -24,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvfabric.bench.command", "pressure benchmark against any OpenAI-compatible server (modes, scenarios)"),
     "ab": ("kvfabric.bench.ab", "A/B policies on a scenario: fresh servers, one collector, Markdown + PNG report"),
     "sim-serve": ("kvfabric.sim.serve", "vLLM's real OpenAI server on CPU with a simulated model (H200 timings)"),
+    "status": ("kvfabric.collector.status", "list the engines a running collector hears from (before any request)"),
 }
 
 _EPILOG = """\
@@ -69,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
+    except UsageError as exc:
+        print(f"kvfabric {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 
