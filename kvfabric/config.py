@@ -1,8 +1,10 @@
-"""Settings read from the environment (a vLLM general plugin receives no arguments).
+"""The hook's settings, read from the environment (a vLLM general plugin receives no arguments).
 
-Unset ``KVFABRIC_LIFECYCLE`` and ``KVFABRIC_EVICTION_POLICY`` (or ``lru``) means the plugin installs nothing at
-all and vLLM behaves exactly as without it. Bad values never raise into vLLM: they fall back to the default and are
-reported once in :attr:`HookSettings.warnings`.
+Every variable is declared in :data:`kvfabric.settings.SETTINGS` (type, default, accepted values) and parsed by
+:func:`kvfabric.settings.read`. Unset ``KVFABRIC_LIFECYCLE``, ``KVFABRIC_LIFECYCLE_LOG_PATH`` and
+``KVFABRIC_EVICTION_POLICY`` (or ``lru``) means the plugin installs nothing at all and vLLM behaves exactly as
+without it. Bad values never raise into vLLM: they fall back to the documented default and are reported once in
+:attr:`HookSettings.warnings`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from kvfabric.settings import BY_NAME, SETTINGS, is_set, read, shown
 
 DEFAULT_SOCKET_NAME = "kvfabric.sock"
 DEFAULT_HTTP_HOST = "127.0.0.1"
@@ -38,19 +42,15 @@ def default_socket_path() -> str:
     return os.path.join("/tmp", f"kvfabric-{uid}", DEFAULT_SOCKET_NAME)
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
 @dataclass(frozen=True)
 class HookSettings:
-    """Everything the hook needs, parsed once per process."""
+    """Everything the hook needs, parsed once per process (defaults: :data:`kvfabric.settings.SETTINGS`)."""
 
     lifecycle: bool = False
     sink: str = "none"  # "unix:///path", "jsonl:///path" or "none"
     policy: str = "lru"
     protect_min_hit_count: int = 1
-    admission_anchor_blocks: int = 24
+    admission_anchor_blocks: int = 0  # 0: the admission gate is off
     family_depth: int = 0
     run_id: str = "default"
     batch_events: int = 4096  # a batch is sent every batch_events events ...
@@ -60,16 +60,17 @@ class HookSettings:
     regret_window_s: float = 60.0
     cache_aware_scheduling: bool = False
     family_from_request_id: bool = False  # KVFABRIC_FAMILY_FROM_REQUEST_ID: "<family>/<rest>" request ids (opt-in)
-    admission_gate_explicit: bool = False  # KVFABRIC_ADMISSION_ANCHOR_BLOCKS was set
+    admission_gate_explicit: bool = False  # KVFABRIC_ADMISSION_ANCHOR_BLOCKS was set (> 0)
     policy_model: str = ""  # KVFABRIC_POLICY_MODEL: the learned policy's model file ("" = the built-in default)
     native: bool = True  # KVFABRIC_NATIVE=0: the Python code even where the compiled parts are built
+    engine_id: str = ""  # KVFABRIC_ENGINE_ID ("" = <host>/dp<rank>)
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def admission_gate_on(self) -> bool:
-        """The gate runs only when ``KVFABRIC_ADMISSION_ANCHOR_BLOCKS`` is set (> 0). docs/design.md §3 gives it a
-        default of 24 with any policy; replaying the synthetic trace showed that default costing 2.3-9.3 points
-        of hit rate at 30-50 % capacity (families of 2-5 requests lose their only reuse), so it is opt-in."""
+        """The gate runs only when ``KVFABRIC_ADMISSION_ANCHOR_BLOCKS`` is set (> 0): off by default, because on the
+        synthetic trace at 30-50 % capacity a gate of 24 costs 2.3-9.3 points of hit rate (families of 2-5
+        requests lose their only reuse)."""
         return self.admission_anchor_blocks > 0 and self.admission_gate_explicit
 
     @property
@@ -83,101 +84,89 @@ class HookSettings:
         return self.lifecycle or self.steers
 
     def as_metadata(self) -> dict[str, object]:
-        return {
-            "policy": self.policy,
-            "protect_min_hit_count": self.protect_min_hit_count,
-            "admission_anchor_blocks": self.admission_anchor_blocks,
-            "family_depth": self.family_depth,
-            "regret_window_s": self.regret_window_s,
-            "cache_aware_scheduling": self.cache_aware_scheduling,
-            "family_from_request_id": self.family_from_request_id,
-            "policy_model": self.policy_model,
-        }
+        """The settings in force, as a stream records them (``kvfabric.settings`` metadata): every hook setting of
+        :data:`kvfabric.settings.SETTINGS` under its field name, whether the admission gate runs, and the
+        warnings of bad values. Two runs that behave differently never record the same settings."""
+        meta: dict[str, object] = {s.field: getattr(self, s.field) for s in SETTINGS if s.field}
+        meta["admission_gate"] = self.admission_gate_on
+        meta["admission_anchor_blocks"] = self.admission_anchor_blocks if self.admission_gate_on else 0
+        meta["warnings"] = list(self.warnings)
+        return meta
 
 
-def _int(env: Mapping[str, str], name: str, default: int, warnings: list[str], minimum: int = 0) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        warnings.append(f"{name}={raw!r} is not an integer; using {default}")
-        return default
-    if value < minimum:
-        warnings.append(f"{name}={value} is below {minimum}; using {default}")
-        return default
-    return value
-
-
-def _policy_model(path: str, policy: str, warnings: list[str]) -> str | None:
+def _policy_model(env: Mapping[str, str], policy: str, warnings: list[str]) -> str | None:
     """``KVFABRIC_POLICY_MODEL``, checked once here so a bad file never reaches vLLM's scheduler: an unreadable or
     invalid file falls back to the built-in model (one warning); None when the learned policy has no usable model
     at all (it then falls back to lru)."""
+    path = read("KVFABRIC_POLICY_MODEL", env, warnings)
     if not path and policy != "learned":
         return ""
-    from kvfabric.policies.reuse_model import ModelError, load_model
+    from kvfabric.policies.reuse_model import load_model
 
     if path:
         try:
             load_model(path)
             return path
-        except ModelError as exc:
-            warnings.append(f"KVFABRIC_POLICY_MODEL: {exc}; using the built-in model")
+        except Exception as exc:  # ModelError, and anything else a broken file raises: never into vLLM
+            problem = " ".join(str(exc).split())
+            warnings.append(f"KVFABRIC_POLICY_MODEL={shown(path)} is not a usable reuse model ({problem}) "
+                            f"(accepted: a `kvfabric learn --out` file); using the default "
+                            f"{BY_NAME['KVFABRIC_POLICY_MODEL'].default_text()}")
     if policy != "learned":
         return ""
     try:
         load_model(None)
-    except ModelError as exc:
+    except Exception as exc:
         warnings.append(f"the learned policy's built-in model is unusable ({exc}); using lru")
         return None
     return ""
 
 
 def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
-    """Parse ``KVFABRIC_*`` variables (docs/design.md §3)."""
+    """Parse the hook's ``KVFABRIC_*`` variables (:data:`kvfabric.settings.SETTINGS`). Never raises for a value:
+    a bad one gives the documented default and one line in :attr:`HookSettings.warnings`."""
     env = os.environ if env is None else env
     warnings: list[str] = []
-    lifecycle = env.get("KVFABRIC_LIFECYCLE", "").strip().lower() in _TRUE
-    log_path = env.get("KVFABRIC_LIFECYCLE_LOG_PATH", "").strip()
-    sink = env.get("KVFABRIC_SINK", "").strip()
-    if not sink:
-        sink = f"jsonl://{os.path.abspath(log_path)}" if log_path else f"unix://{default_socket_path()}"
-    if not (sink == "none" or sink.startswith("unix://") or sink.startswith("jsonl://")):
-        warnings.append(f"KVFABRIC_SINK={sink!r} is not unix://PATH, jsonl://PATH or none; events are not sent")
-        sink = "none"
-    from kvfabric.policies import POLICY_NAMES  # local: keeps config importable without policies' deps
 
-    policy = env.get("KVFABRIC_EVICTION_POLICY", "lru").strip().lower() or "lru"
-    if policy not in POLICY_NAMES:
-        warnings.append(f"KVFABRIC_EVICTION_POLICY={policy!r} is unknown (known: {', '.join(POLICY_NAMES)}); using lru")
-        policy = "lru"
-    policy_model = _policy_model(env.get("KVFABRIC_POLICY_MODEL", "").strip(), policy, warnings)
+    def get(name: str, **kwargs: object) -> object:
+        return read(name, env, warnings, **kwargs)
+
+    # KVFABRIC_LIFECYCLE_LOG_PATH is shorthand for KVFABRIC_LIFECYCLE=1 KVFABRIC_SINK=jsonl://PATH: it decides
+    # both defaults, and an explicit value of either still wins.
+    log_path = str(get("KVFABRIC_LIFECYCLE_LOG_PATH"))
+    by_log_path = " (KVFABRIC_LIFECYCLE_LOG_PATH is set)"
+    lifecycle = bool(get("KVFABRIC_LIFECYCLE", default=True, default_text="1" + by_log_path) if log_path
+                     else get("KVFABRIC_LIFECYCLE"))
+    default_sink = f"jsonl://{log_path}" if log_path else f"unix://{default_socket_path()}"
+    sink = str(get("KVFABRIC_SINK", default=default_sink,
+                   default_text=repr(default_sink) + (by_log_path if log_path else "")))
+    if log_path and sink != default_sink and is_set("KVFABRIC_SINK", env):
+        warnings.append(f"KVFABRIC_LIFECYCLE_LOG_PATH={shown(log_path)} is not used: KVFABRIC_SINK={shown(sink)} "
+                        f"takes precedence")
+    policy = str(get("KVFABRIC_EVICTION_POLICY"))
+    policy_model = _policy_model(env, policy, warnings)
     if policy_model is None:
         policy = "lru"
         policy_model = ""
-    try:
-        regret = float(env.get("KVFABRIC_REGRET_WINDOW_S", "60") or 60)
-    except ValueError:
-        warnings.append("KVFABRIC_REGRET_WINDOW_S is not a number; using 60")
-        regret = 60.0
+    anchor_blocks = int(get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS"))  # type: ignore[call-overload]
     return HookSettings(
         lifecycle=lifecycle,
         sink=sink,
         policy=policy,
-        protect_min_hit_count=_int(env, "KVFABRIC_PROTECT_MIN_HIT_COUNT", 1, warnings, minimum=1),
-        admission_anchor_blocks=_int(env, "KVFABRIC_ADMISSION_ANCHOR_BLOCKS", 24, warnings),
-        family_depth=_int(env, "KVFABRIC_FAMILY_DEPTH", 0, warnings),
-        run_id=env.get("KVFABRIC_RUN_ID", "").strip() or "default",
-        batch_events=_int(env, "KVFABRIC_BATCH_EVENTS", 4096, warnings, minimum=1),
-        flush_ms=_int(env, "KVFABRIC_FLUSH_MS", 100, warnings, minimum=1),
-        buffer_events=_int(env, "KVFABRIC_BUFFER_EVENTS", 1_000_000, warnings, minimum=1),
-        evicted_memory=_int(env, "KVFABRIC_EVICTED_MEMORY", 0, warnings, minimum=0),
-        regret_window_s=regret,
-        cache_aware_scheduling=env.get("KVFABRIC_CACHE_AWARE_SCHEDULING", "").strip().lower() in _TRUE,
-        family_from_request_id=env.get("KVFABRIC_FAMILY_FROM_REQUEST_ID", "").strip().lower() in _TRUE,
-        admission_gate_explicit=bool(env.get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS", "").strip()),
+        protect_min_hit_count=get("KVFABRIC_PROTECT_MIN_HIT_COUNT"),  # type: ignore[arg-type]
+        admission_anchor_blocks=anchor_blocks,
+        admission_gate_explicit=anchor_blocks > 0,
+        family_depth=get("KVFABRIC_FAMILY_DEPTH"),  # type: ignore[arg-type]
+        run_id=get("KVFABRIC_RUN_ID"),  # type: ignore[arg-type]
+        engine_id=get("KVFABRIC_ENGINE_ID"),  # type: ignore[arg-type]
+        batch_events=get("KVFABRIC_BATCH_EVENTS"),  # type: ignore[arg-type]
+        flush_ms=get("KVFABRIC_FLUSH_MS"),  # type: ignore[arg-type]
+        buffer_events=get("KVFABRIC_BUFFER_EVENTS"),  # type: ignore[arg-type]
+        evicted_memory=get("KVFABRIC_EVICTED_MEMORY"),  # type: ignore[arg-type]
+        regret_window_s=float(get("KVFABRIC_REGRET_WINDOW_S")),  # type: ignore[arg-type]
+        cache_aware_scheduling=get("KVFABRIC_CACHE_AWARE_SCHEDULING"),  # type: ignore[arg-type]
+        family_from_request_id=get("KVFABRIC_FAMILY_FROM_REQUEST_ID"),  # type: ignore[arg-type]
         policy_model=policy_model,
-        native=env.get("KVFABRIC_NATIVE", "1").strip().lower() not in _FALSE,
+        native=get("KVFABRIC_NATIVE"),  # type: ignore[arg-type]
         warnings=tuple(warnings),
     )

@@ -40,6 +40,25 @@ META_PROTOCOL = "kvfabric.protocol"
 PROTOCOL_VERSION = 2
 SUPPORTED_PROTOCOLS = (1, 2)
 
+MAX_META_VALUE_CHARS = 4096
+"""Longest value of one stream metadata key (stream id, engine, run id, ...): the collector refuses a stream with a
+longer one. They end up in logs and in the streams table."""
+
+MAX_SETTINGS_CHARS = 65536
+"""Longest settings JSON (``kvfabric.settings`` metadata) the collector accepts."""
+
+MAX_LABEL_CHARS = 1024
+"""Longest run id or engine label the collector serves: the REST API refuses a longer run id, engine or family
+filter (``kvfabric.api.params.MAX_TEXT``), so the hook accepts no longer ``KVFABRIC_RUN_ID`` or
+``KVFABRIC_ENGINE_ID``."""
+
+MAX_BATCH_ROWS = 1_000_000
+"""Most rows in one record batch the collector accepts by default (``--max-batch-rows``); a longer batch closes the
+stream."""
+
+MAX_BATCH_BYTES = 256 * 1024 * 1024
+"""Most bytes in one record batch the collector accepts by default (``--max-batch-bytes``)."""
+
 ACK_MAGIC = b"KVFA"
 ACK_FRAME = struct.Struct("<4sBxxxq")
 HELLO = 1

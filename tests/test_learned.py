@@ -266,7 +266,7 @@ def test_policy_model_setting_is_validated_once_and_falls_back(tmp_path: Path, h
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     s = load_hook_settings({"KVFABRIC_EVICTION_POLICY": "learned", "KVFABRIC_POLICY_MODEL": str(bad)})
-    assert s.policy == "learned" and s.policy_model == "" and "using the built-in model" in s.warnings[0]
+    assert s.policy == "learned" and s.policy_model == "" and "using the default (the built-in model)" in s.warnings[0]
     assert make_policy("learned", s).model.training["kind"] == "trace"  # the built-in one
     s = load_hook_settings({"KVFABRIC_EVICTION_POLICY": "learned"})
     assert s.policy_model == "" and not s.warnings

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import socket
 from dataclasses import dataclass, field
 
+from kvfabric import protocol as P
+from kvfabric import settings
 from kvfabric.config import DEFAULT_DB_PATH, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_socket_path
 from kvfabric.ingest import IngestSettings
 
@@ -35,8 +36,8 @@ class CollectorConfig:
     max_connections: int = 64
     handshake_timeout_s: float = 10.0
     drain_timeout_s: float = 5.0
-    max_batch_rows: int = 1_000_000
-    max_batch_bytes: int = 256 * 1024 * 1024
+    max_batch_rows: int = P.MAX_BATCH_ROWS
+    max_batch_bytes: int = P.MAX_BATCH_BYTES
     max_string_bytes: int = 4096
     max_buffered_bytes: int = 512 * 1024 * 1024
     message_timeout_s: float = 30.0
@@ -52,7 +53,7 @@ class CollectorConfig:
     max_label_runs: int | None = None  # None: $KVFABRIC_MAX_LABEL_RUNS or 64
 
     def resolved_token(self) -> str | None:
-        token = self.token if self.token is not None else os.environ.get(TOKEN_ENV)
+        token = self.token if self.token is not None else settings.read(TOKEN_ENV)
         return token or None
 
     def ingest_settings(self) -> IngestSettings:

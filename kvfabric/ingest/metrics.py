@@ -11,7 +11,6 @@ Label cardinality is bounded: at most ``max_label_runs`` distinct ``run`` values
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvfabric import schema as S
+from kvfabric import settings
 from kvfabric.ingest.errors import (
     BAD_STREAM_REASONS,
     CLOSED_CONNECTION_REASONS,
@@ -31,7 +31,7 @@ OTHER_RUNS = "_other"
 UNKNOWN_REASON = "unknown"
 EVICTION_REASON_LABELS: tuple[str, ...] = (*S.EVICTION_REASONS, UNKNOWN_REASON)
 """Values of the ``reason`` label: the documented reasons, and ``unknown`` for rows that carry none."""
-DEFAULT_MAX_LABEL_RUNS = 64
+DEFAULT_MAX_LABEL_RUNS: int = settings.BY_NAME["KVFABRIC_MAX_LABEL_RUNS"].default
 
 LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 REBUILD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
@@ -64,11 +64,8 @@ class CommitAggregate:
 
 
 def max_label_runs_from_env() -> int:
-    raw = os.environ.get("KVFABRIC_MAX_LABEL_RUNS", "")
-    try:
-        return max(1, int(raw)) if raw else DEFAULT_MAX_LABEL_RUNS
-    except ValueError:
-        return DEFAULT_MAX_LABEL_RUNS
+    """``$KVFABRIC_MAX_LABEL_RUNS`` (kvfabric.settings: a bad value logs a warning and gives the default)."""
+    return int(settings.read("KVFABRIC_MAX_LABEL_RUNS"))
 
 
 class CollectorMetrics:

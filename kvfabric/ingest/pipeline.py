@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
+from kvfabric import protocol as P
 from kvfabric.ingest.budget import ByteBudget
 from kvfabric.ingest.connection import IngestContext
 from kvfabric.ingest.metrics import CollectorMetrics
@@ -36,8 +37,8 @@ class IngestSettings:
     max_connections: int = 64
     handshake_timeout_s: float = 10.0
     drain_timeout_s: float = 5.0
-    max_batch_rows: int = 1_000_000
-    max_batch_bytes: int = 256 * 1024 * 1024
+    max_batch_rows: int = P.MAX_BATCH_ROWS
+    max_batch_bytes: int = P.MAX_BATCH_BYTES
     max_string_bytes: int = 4096
     max_buffered_bytes: int = 512 * 1024 * 1024  # partly received messages, all connections together
     message_timeout_s: float = 30.0

@@ -39,10 +39,8 @@ from kvfabric.ingest.errors import (
     BadStream,
 )
 
-MAX_META_VALUE_CHARS = 4096
-"""Bound on one metadata value (stream ids, engines, settings JSON): they end up in logs and in the streams table."""
-
-MAX_SETTINGS_CHARS = 65536
+MAX_META_VALUE_CHARS = P.MAX_META_VALUE_CHARS  # (kvfabric.protocol: the hook checks its settings against them)
+MAX_SETTINGS_CHARS = P.MAX_SETTINGS_CHARS
 
 _KNOWN_EVENTS = frozenset(S.EVENT_TYPES)
 _KNOWN_REASONS = frozenset(S.EVICTION_REASONS)
@@ -103,8 +101,8 @@ class BatchLimits:
     """Caps on one record batch: over ``max_rows``/``max_bytes`` the stream is refused (``oversized``); a string
     value over ``max_string_bytes`` refuses that batch only (``value_too_long``)."""
 
-    max_rows: int = 1_000_000
-    max_bytes: int = 256 * 1024 * 1024
+    max_rows: int = P.MAX_BATCH_ROWS
+    max_bytes: int = P.MAX_BATCH_BYTES
     max_string_bytes: int = 4096
 
 

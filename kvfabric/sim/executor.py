@@ -25,7 +25,6 @@ default ``llama``) and ``KVFABRIC_SIM_LATENCY_SCALE`` (default 1.0; 0 makes the 
 
 from __future__ import annotations
 
-import os
 import time
 import zlib
 from array import array
@@ -39,6 +38,7 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
+from kvfabric import settings
 from kvfabric.sim.harness import TOKEN_ID_HIGH, TOKEN_ID_LOW
 from kvfabric.sim.latency import LatencyModel, StepWork, get_latency_model
 
@@ -106,11 +106,8 @@ class SimulatedExecutor(Executor):
     # ---------------------------------------------------------------------------------------- start-up
 
     def _init_executor(self) -> None:
-        self.latency: LatencyModel = get_latency_model(os.environ.get(LATENCY_ENV, "llama") or "llama")
-        try:
-            self.latency_scale = max(0.0, float(os.environ.get(LATENCY_SCALE_ENV, "1") or 1))
-        except ValueError:
-            self.latency_scale = 1.0
+        self.latency: LatencyModel = get_latency_model(settings.read(LATENCY_ENV))
+        self.latency_scale: float = settings.read(LATENCY_SCALE_ENV)
         self._requests: dict[str, _ReqState] = {}
         self._device_free_at = 0.0
         self._pending: ModelRunnerOutput | None = None
