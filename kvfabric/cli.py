@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+import kvfabric
+from kvfabric.argtypes import HelpFormatter, OneLineErrorParser
 from kvfabric.usage import EXIT_USAGE, UsageError
 
 # name -> (module, one-line help). Modules are imported lazily (vLLM's import alone takes ~12 s).
@@ -41,17 +43,24 @@ turn the hook on inside vLLM:  KVFABRIC_LIFECYCLE=1 vllm serve ...   (see README
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``kvfabric`` parser; only subcommand ``only`` gets its options (its module is imported for that).
+
+    Every parser reports a bad option as one line and exit status 2 (:class:`~kvfabric.argtypes.OneLineErrorParser`)
+    and shows every option's default in ``--help`` (:class:`~kvfabric.argtypes.HelpFormatter`, set after
+    ``configure`` so a subcommand that picks its own formatter still shows them)."""
+    parser = OneLineErrorParser(
         prog="kvfabric",
         description="KVFabric: see and steer what happens to vLLM's KV cache.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kvfabric {kvfabric.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if name == only:
             importlib.import_module(module).configure(p)
+            p.formatter_class = HelpFormatter
     return parser
 
 
@@ -65,7 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         print(f"kvfabric {command}: not available in this install ({exc})", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad option (already reported on one line): its status
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:
         parser.print_help()
         return 0
@@ -74,6 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except UsageError as exc:
         print(f"kvfabric {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        # A path the user gave that cannot be read or written, reached somewhere no narrower handler names it:
+        # still one line that names the path. An OSError without a path is not known to be the user's: raise.
+        if exc.filename is None:
+            raise
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        print(f"kvfabric {args.command}: {where}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -243,7 +243,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
         (["learn", "--trace", str(trace), "--out", out, "--capacity", "2"], "--capacity"),
         (["learn", "--trace", str(trace), "--out", str(tmp_path / "no" / "m.json")], "no directory"),
         (["learn", "--db", str(tmp_path / "x.duckdb"), "--out", out], "--db needs --run"),
-        (["learn", "--db", str(tmp_path / "x.duckdb"), "--run", "r", "--out", out], "no database file"),
+        (["learn", "--db", str(tmp_path / "x.duckdb"), "--run", "r", "--out", out], "no database at"),
         (["replay", "--trace", str(trace), "--policy", "learned", "--policy-model", str(trace), "--num-blocks",
           "50", "--fast"], "not a kvfabric-reuse-model"),
         (["replay", "--trace", str(trace), "--policy", "lru", "--policy-model", str(trace), "--num-blocks", "50",

@@ -320,7 +320,9 @@ def test_cli_answers_equal_rest(recorded: Recorded, capsys: pytest.CaptureFixtur
     rc, _, err = _cli(capsys, "query", "request", "--db", db, "--request-id", "nobody")
     assert rc == 2 and "has no admission" in err
     rc, _, err = _cli(capsys, "query", "misses", "--db", db, "--run", "runM", "--bucket-s", "-1")
-    assert rc == 2 and "bucket_s" in err
+    assert rc == 2 and "--bucket-s" in err
+    rc, _, err = _cli(capsys, "query", "misses", "--db", db, "--run", "runM", "--bucket-s", "1e-12")
+    assert rc == 2 and "bucket_s must be between" in err
 
 
 def test_a_schema_1_file_is_upgraded_in_place(tmp_path: Path) -> None:

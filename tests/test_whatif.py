@@ -123,7 +123,8 @@ def test_bad_requests_are_refused_clearly(recorded: Recorded, q: QueryRunner,
         whatif(q, "nope")
     rc = kvfabric_main(["whatif", "--db", recorded.db_path, "--run", "runW", "--num-blocks", "1"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("kvfabric whatif: num_blocks must be at least 2") and len(err.splitlines()) == 1
+    assert rc == 2 and err.startswith("kvfabric whatif: argument --num-blocks: must be an integer >= 2") \
+        and len(err.splitlines()) == 1
 
 
 def test_cli_json_last_line_equals_rest(recorded: Recorded, capsys: pytest.CaptureFixture[str]) -> None:

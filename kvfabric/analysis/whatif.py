@@ -25,7 +25,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvfabric.analysis.traffic import RecordedAdmission, mean_concurrency, recorded_traffic, to_trace_requests
+from kvfabric.argtypes import int_range, positive_int
 from kvfabric.queries import BadParameter, QueryRunner
+from kvfabric.usage import UsageError
 
 TOLERANCE = 0.02
 """Stated bound on |replayed - actual| prefix hit rate under the run's own policy and capacity (absolute, as a
@@ -189,12 +191,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run id")
     parser.add_argument("--policy", default=None, choices=policy_names(),
                         help="policy to replay under (default: the run's own)")
-    parser.add_argument("--num-blocks", type=int, default=None,
+    parser.add_argument("--num-blocks", type=int_range(2), default=None,
                         help="KV capacity in blocks per engine, null block included (default: the run's own)")
-    parser.add_argument("--concurrency", type=int, default=None,
+    parser.add_argument("--concurrency", type=positive_int, default=None,
                         help="requests in flight in the replay (default: the run's mean, measured from its events)")
     parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="json: one JSON object on the last line")
+                        help="json: one JSON object on the last line (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -204,9 +206,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = whatif(QueryRunner.for_path(args.db), args.run, args.policy, args.num_blocks, args.concurrency,
                      progress=not args.no_progress and args.format == "text")
-    except (BadParameter, DatabaseUnavailable, UnknownRun) as exc:
-        print(f"kvfabric whatif: {exc}", file=sys.stderr)
-        return 2
+    except DatabaseUnavailable as exc:
+        raise UsageError(f"--db: {exc}") from None
+    except (BadParameter, UnknownRun) as exc:
+        raise UsageError(str(exc)) from None
     if args.format == "json":
         print(json.dumps(out, sort_keys=True))
         return 0

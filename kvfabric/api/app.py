@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 import kvfabric
-from kvfabric.api.dependencies import require_token
+from kvfabric.api.dependencies import reject_unknown_query_params, require_token
 from kvfabric.api.errors import install_error_handlers
 from kvfabric.api.routers import blocks, evictions, families, runs, system
 from kvfabric.api.routers import misses as misses_router
@@ -36,6 +36,7 @@ def create_app(
 ) -> FastAPI:
     """Build the app. ``token`` (else ``$KVFABRIC_API_TOKEN``) protects /api/v1 and /metrics when set."""
     app = FastAPI(
+        dependencies=[Depends(reject_unknown_query_params)],  # a misspelt filter is a 422, not ignored
         title="KVFabric collector",
         version=kvfabric.__version__,
         description="Read-only analytics over vLLM KV-cache block lifecycle events (docs/design.md §5, §7).",

@@ -6,6 +6,7 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
+from fastapi.dependencies.models import Dependant
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kvfabric.queries import QueryRunner
@@ -49,4 +50,29 @@ def require_token(
     if not _token_matches(expected, credentials):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+
+def _declared_query_names(dependant: Dependant) -> set[str]:
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _declared_query_names(sub)
+    return names
+
+
+def reject_unknown_query_params(request: Request) -> None:
+    """422 for a query parameter the route does not declare (a misspelt filter such as ``?familly=x`` would
+    otherwise be ignored and the answer look like a filtered one). Names the unknown parameters and the accepted
+    ones. Installed app-wide, so every route, including ones added later, gets it."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    accepted = _declared_query_names(dependant)
+    unknown = sorted(set(request.query_params) - accepted)
+    if unknown:
+        listed = ", ".join(sorted(accepted)) if accepted else "none"
+        raise HTTPException(
+            422,
+            f"unknown query parameter(s) {', '.join(unknown)}; {request.url.path} accepts: {listed}",
         )

@@ -32,6 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvfabric.argtypes import int_range, nonneg_float, nonneg_int, positive_float, positive_int
+from kvfabric.argtypes import port as tcp_port
 from kvfabric.bench.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario
 from kvfabric.bench.servers import (
     PLACEHOLDERS,
@@ -41,6 +43,7 @@ from kvfabric.bench.servers import (
     check_serve_cmd,
     serve_command,
 )
+from kvfabric.usage import UsageError
 
 __all__ = ["IDLE_HANDSHAKE_S", "configure", "run"]
 
@@ -49,7 +52,6 @@ IDLE_HANDSHAKE_S = 24 * 3600.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
         "bundled scenarios: " + ", ".join(bundled_scenarios()) + "\n"
         "--serve-cmd placeholders: " + ", ".join("{" + p + "}" for p in PLACEHOLDERS) + "\n\n"
@@ -63,24 +65,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", help="bundled scenario name or TOML file; several, comma-separated, run "
                                            "back to back against one collector (a report each, in DIR/<name>/)")
     parser.add_argument("--policies", default="lru,adaptive_aging",
-                        help="comma-separated policies; the first is the baseline (default %(default)s)")
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions per policy (default 3)")
+                        help="comma-separated policies; the first is the baseline (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="repetitions per policy (default: %(default)s)")
     parser.add_argument("--out", default=None, help="output directory (default ab-<scenario>-<time>)")
     parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="json: print per-policy medians and spreads as one JSON object on the last line")
+                        help="json: print per-policy medians and spreads as one JSON object on the last line "
+                             "(default: %(default)s)")
     parser.add_argument("--serve-cmd", default=None,
                         help="start each arm's server with this command instead of kvfabric sim-serve")
     parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
-    parser.add_argument("--kv-blocks", type=int, default=None, help="override the scenario's KV capacity (blocks)")
-    parser.add_argument("--latency-scale", type=float, default=None,
+    parser.add_argument("--kv-blocks", type=int_range(2), default=None,
+                        help="override the scenario's KV capacity (blocks)")
+    parser.add_argument("--latency-scale", type=nonneg_float, default=None,
                         help="override the scenario's sim-serve latency scale")
-    parser.add_argument("--port", type=int, default=0, help="server port (default: a free one per arm)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for each server")
-    parser.add_argument("--prestart", type=int, default=0, metavar="N",
+    parser.add_argument("--port", type=tcp_port, default=0,
+                        help="server port (default: %(default)s, a free one per arm)")
+    parser.add_argument("--ready-timeout", type=positive_float, default=600.0, help="seconds to wait for each server")
+    parser.add_argument("--prestart", type=nonneg_int, default=0, metavar="N",
                         help="start the next N arms' servers while the current arm runs (hides start-up time where "
                              "it is scarce, e.g. on a GPU; start-ups then compete with the running arm; default 0)")
     parser.add_argument("--report-only", action="store_true", help="re-render the report of an existing --out")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (they are drawn on stderr)")
 
 
 def _free_port() -> int:
@@ -326,8 +331,7 @@ def run(args: argparse.Namespace) -> int:
                  f"{args.repeat} repetition(s); output in {out}/")
             outs = run_arms(args, scenarios, policies, out)
     except (ScenarioError, ServerSpecError) as exc:
-        print(f"kvfabric ab: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"kvfabric ab: {exc}", file=sys.stderr)
         return 1

@@ -13,22 +13,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from kvfabric.bench.modes import MODES, ModeError
+from kvfabric.argtypes import nonneg_float, positive_float, positive_int
+from kvfabric.bench.modes import MODES, ModeError, describe
 from kvfabric.bench.prompts import FORMATS
 from kvfabric.bench.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario, single_mode_scenario
+from kvfabric.usage import UsageError
 
 __all__ = ["configure", "parse_params", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
-        "modes:\n" + "".join(f"  {name:<17} {m.summary}\n" for name, m in MODES.items())
+        "modes (--param KEY=VALUE sets a parameter; each shown with its default):\n"
+        + "".join(f"  {name:<17} {m.summary}\n{_wrapped(describe(m.params))}" for name, m in MODES.items())
         + "bundled scenarios: " + ", ".join(bundled_scenarios()) + "\n\n"
         "examples:\n"
         "  kvfabric bench --endpoint http://127.0.0.1:8000 --mode continuous --requests 200 --concurrency 8\n"
@@ -40,35 +42,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--mode", choices=list(MODES), help="one traffic mode (parameters: --param)")
     what.add_argument("--scenario", help="a scenario: bundled name or TOML file (kvfabric/bench/scenario.py)")
-    parser.add_argument("--endpoint", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    parser.add_argument("--endpoint", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="a mode parameter (with --mode); VALUE is JSON, e.g. turns=[2,5] hot_share=0.3")
-    parser.add_argument("--sessions", type=int, default=None, help="sessions to run (with --mode)")
-    parser.add_argument("--requests", type=int, default=None,
+    parser.add_argument("--sessions", type=positive_int, default=None, help="sessions to run (with --mode)")
+    parser.add_argument("--requests", type=positive_int, default=None,
                         help="stop issuing after this many requests (with --mode: default 200 unless --sessions "
                              "or --duration bound the run)")
-    parser.add_argument("--duration", type=float, default=None, help="stop issuing after this many seconds")
-    parser.add_argument("--concurrency", type=int, default=None,
+    parser.add_argument("--duration", type=positive_float, default=None, help="stop issuing after this many seconds")
+    parser.add_argument("--concurrency", type=positive_int, default=None,
                         help="sessions in flight at once (with --mode: default 8; with --scenario: overrides every "
                              "component's)")
-    parser.add_argument("--rate", type=float, default=None,
+    parser.add_argument("--rate", type=positive_float, default=None,
                         help="Poisson session arrivals per second (open loop; default: closed loop)")
     parser.add_argument("--seed", type=int, default=None, help="workload seed (default: the scenario's, else 0)")
     parser.add_argument("--prompt-format", choices=FORMATS, default=None,
-                        help="token-id prompts (servers without tokenizer; default) or text prompts")
+                        help="tokens: token-id prompts (servers without a tokenizer); text: text prompts (default: "
+                             "the scenario's, else tokens, or text with --no-vllm-extensions)")
     parser.add_argument("--no-hints", action="store_true", help="do not send KVFabric's request hints (vllm_xargs)")
     parser.add_argument("--no-vllm-extensions", action="store_true",
                         help="plain OpenAI requests: no ignore_eos, return_token_ids, vllm_xargs (text prompts)")
     parser.add_argument("--run-id", default=None,
                         help="the server's KVFABRIC_RUN_ID (recorded in the results; names the request ids)")
-    parser.add_argument("--wait-ready", type=float, default=0.0,
+    parser.add_argument("--wait-ready", type=nonneg_float, default=0.0,
                         help="seconds to wait for the server to answer /v1/models (default 0: it must be up)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--out", default=None, help="write the full results (every request) to this JSON file")
     parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="json: print the summary as one JSON object on the last line")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+                        help="json: print the summary as one JSON object on the last line (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is drawn on stderr)")
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
@@ -183,31 +186,40 @@ async def _main(args: argparse.Namespace, scenario: Scenario) -> dict[str, Any]:
     return result.as_dict()
 
 
+def _wrapped(text: str, indent: str = " " * 21, width: int = 100) -> str:
+    import textwrap
+
+    return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent,
+                         break_on_hyphens=False) + "\n"
+
+
+def _check_out(path: str) -> None:
+    """Refuse an --out that cannot be written before the run, not after it (its results would be lost)."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {path}: cannot create {exc.filename or parent} ({exc.strerror})") from None
+    if Path(path).is_dir():
+        raise UsageError(f"--out {path} is a directory; it names the JSON file to write")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {path}: cannot write in {parent} (permission denied)")
+
+
 def run(args: argparse.Namespace) -> int:
-    for name in ("sessions", "requests", "concurrency"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            print(f"kvfabric bench: --{name} must be >= 1", file=sys.stderr)
-            return 2
-    for name in ("duration", "rate"):
-        v = getattr(args, name)
-        if v is not None and v <= 0:
-            print(f"kvfabric bench: --{name} must be > 0", file=sys.stderr)
-            return 2
     if args.no_vllm_extensions and args.prompt_format == "tokens":
-        print("kvfabric bench: token prompts need vLLM's return_token_ids: drop --no-vllm-extensions or use "
-              "--prompt-format text", file=sys.stderr)
-        return 2
+        raise UsageError("token prompts need vLLM's return_token_ids: drop --no-vllm-extensions or use "
+                         "--prompt-format text")
+    if args.out:
+        _check_out(args.out)
     try:
         scenario = build_scenario(args)
     except (ScenarioError, ModeError) as exc:
-        print(f"kvfabric bench: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     try:
         results = asyncio.run(_main(args, scenario))
     except ConnectionError as exc:
-        print(f"kvfabric bench: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--endpoint: {exc}") from None
     summary = results["summary"]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from kvfabric.bench.prompts import Prompt, Reply, draw_tokens
+
+if TYPE_CHECKING:
+    from kvfabric.sim.tracecheck import TraceScan
 
 __all__ = [
     "MODES",
@@ -191,6 +195,9 @@ class _Params:
                 if lo < 0 or hi < lo:
                     raise ModeError(f"mode {mode}: {f.name} must satisfy 0 <= low <= high, not {v!r}")
                 v = (lo, hi)
+            elif not _scalar_ok(v, str(f.type)):
+                hint = " (--param values are JSON; text that is not JSON stays text)" if isinstance(v, str) else ""
+                raise ModeError(f"mode {mode}: {f.name} must be {_kind(str(f.type))}, not {v!r}{hint}")
             values[f.name] = v
         try:
             params = cls(**values)
@@ -202,6 +209,39 @@ class _Params:
     def validate(self, mode: str) -> None:
         if self.max_tokens[0] < 1:
             raise ModeError(f"mode {mode}: max_tokens must be >= 1")
+
+
+def _scalar_ok(value: object, annotation: str) -> bool:
+    """Whether ``value`` (parsed from JSON) fits a field annotated ``annotation`` (``int``, ``float``, ``str``,
+    ``int | None``)."""
+    kinds = {k.strip() for k in annotation.split("|")}
+    if value is None:
+        return "None" in kinds
+    if isinstance(value, bool):
+        return "bool" in kinds
+    if isinstance(value, int):
+        return bool(kinds & {"int", "float"})
+    if isinstance(value, float):
+        return "float" in kinds
+    if isinstance(value, str):
+        return "str" in kinds
+    return False
+
+
+def _kind(annotation: str) -> str:
+    kinds = [k.strip() for k in annotation.split("|")]
+    words = {"int": "an integer", "float": "a number", "str": "text", "bool": "true or false", "None": "null"}
+    return " or ".join(words.get(k, k) for k in kinds)
+
+
+def describe(params: type[_Params]) -> str:
+    """``name=default`` for every parameter of a mode (JSON values, as ``--param`` takes them)."""
+    import json
+
+    return " ".join(
+        f"{f.name}={json.dumps(list(f.default) if isinstance(f.default, tuple) else f.default, separators=(',', ':'))}"
+        for f in dataclasses.fields(params)
+    )
 
 
 def _positive(mode: str, **values: float) -> None:
@@ -280,7 +320,9 @@ class DatasetParams(_Params):
     limit: int | None = None
     #: Tokens per trace hash id (the Mooncake traces use 512).
     block_tokens: int = 512
-    max_input_tokens: int = 4096
+    #: Longer prompts are cut to their first this many tokens (prefix kept, so sharing is kept); the run says how
+    #: many rows were cut. null = no cap.
+    max_input_tokens: int | None = 4096
     #: Arrival time = row timestamp x time_scale; 0 = ignore timestamps (the runner's concurrency/rate decide).
     time_scale: float = 1.0
     max_tokens: Range = (1, 64)  # a row asks for min(output_length, high) tokens
@@ -293,9 +335,28 @@ class DatasetParams(_Params):
             raise ModeError(f"mode dataset: no trace file at {self.path!r}")
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
             raise ModeError("mode dataset: limit must be a positive integer")
-        _positive(mode, block_tokens=self.block_tokens, max_input_tokens=self.max_input_tokens)
+        _positive(mode, block_tokens=self.block_tokens)
+        if self.max_input_tokens is not None:
+            _positive(mode, max_input_tokens=self.max_input_tokens)
         if not isinstance(self.time_scale, (int, float)) or self.time_scale < 0:
             raise ModeError("mode dataset: time_scale must be >= 0")
+        self.scan()  # a malformed row is refused now, naming its line, not in the middle of the run
+
+    def scan(self) -> TraceScan:
+        """The trace's rows checked (:func:`kvfabric.sim.tracecheck.scan_trace`), once per parameter set."""
+        from kvfabric.sim.tracecheck import TraceError, scan_trace
+
+        if self not in _SCANS:
+            try:
+                _SCANS[self] = scan_trace(self.path, self.limit, max_input_tokens=self.max_input_tokens,
+                                          block_tokens=self.block_tokens)
+            except TraceError as exc:
+                raise ModeError(f"mode dataset: {exc}") from None
+        return _SCANS[self]
+
+
+_SCANS: dict[DatasetParams, TraceScan] = {}
+_ANNOUNCED: set[DatasetParams] = set()
 
 
 # ------------------------------------------------------------------------------------------------ generators
@@ -385,6 +446,13 @@ def _fork(p: ForkParams, seed: int | str) -> Iterator[Session]:
 def _dataset(p: DatasetParams, seed: int | str) -> Iterator[Session]:
     from kvfabric.sim.workload import iter_trace_workload
 
+    scan = p.scan()
+    if scan.over_cap and p not in _ANNOUNCED:
+        _ANNOUNCED.add(p)
+        print(f"dataset mode: {scan.over_cap:,} of {scan.rows:,} rows of {p.path} are longer than max_input_tokens="
+              f"{p.max_input_tokens} and are cut to their first {p.max_input_tokens} tokens (longest "
+              f"{scan.longest_input:,}); max_input_tokens=N raises the cap, null removes it", file=sys.stderr,
+              flush=True)
     cap = p.max_tokens[1]
     seed_int = seed if isinstance(seed, int) else int.from_bytes(str(seed).encode()[:8], "little")
     for arrival_s, rid, prompt, out, _extra in iter_trace_workload(
@@ -408,7 +476,8 @@ MODES: dict[str, _Mode] = {
     "random_topic": _Mode(RandomTopicParams, _random_topic, "sessions on topic documents drawn at random (shared)"),
     "persona_rotation": _Mode(PersonaRotationParams, _persona_rotation,
                               "sessions rotating through persona/template system prompts"),
-    "dataset": _Mode(DatasetParams, _dataset, "rows of a hash_ids trace (Mooncake format), at their timestamps"),
+    "dataset": _Mode(DatasetParams, _dataset, "rows of a hash_ids trace (Mooncake format) at their timestamps; "
+                                                  "prompts cut to max_input_tokens (announced)"),
     "pressure": _Mode(PressureParams, _pressure, "hot shared families mixed with long cold one-off prompts"),
     "multi_turn_fork": _Mode(ForkParams, _fork, "a conversation trunk forking into branches"),
 }

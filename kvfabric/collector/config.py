@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvfabric import protocol as P
 from kvfabric import settings
+from kvfabric.argtypes import duckdb_setting, nonneg_float, nonneg_int, port, positive_float, positive_int
 from kvfabric.config import DEFAULT_DB_PATH, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_socket_path
 from kvfabric.ingest import IngestSettings
 
@@ -136,9 +137,12 @@ def check_http_exposure(config: CollectorConfig) -> None:
 
 
 def _mode(text: str) -> int:
-    value = int(text, 8)
+    try:
+        value = int(text, 8)
+    except ValueError:
+        value = -1
     if value not in (0o600, 0o660):
-        raise argparse.ArgumentTypeError("socket mode must be 600 (owner) or 660 (owner and group)")
+        raise argparse.ArgumentTypeError(f"must be 600 (owner only) or 660 (owner and group), got {text!r}")
     return value
 
 
@@ -151,48 +155,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host,
                         help="HTTP bind address (default: %(default)s). A non-loopback address needs a token "
                         f"(${TOKEN_ENV} or --token) unless --allow-remote-without-token is given")
-    parser.add_argument("--port", type=int, default=d.port, help="HTTP port, 0 = any free (default: %(default)s)")
+    parser.add_argument("--port", type=port, default=d.port, help="HTTP port, 0 = any free (default: %(default)s)")
     parser.add_argument("--token", default=None,
                         help=f"bearer token for /api/v1 and /metrics (prefer ${TOKEN_ENV}: argv is visible to ps)")
     parser.add_argument("--allow-remote-without-token", action="store_true",
                         help="serve REST and /metrics on a non-loopback --host without a token (anyone who can "
                         "reach the port reads every run's data); refused unless given")
     parser.add_argument("--no-http", dest="http", action="store_false", help="ingest only, no REST/metrics")
-    parser.add_argument("--socket-mode", type=_mode, default=d.socket_mode, help="600 (default) or 660")
+    parser.add_argument("--socket-mode", type=_mode, default=f"{d.socket_mode:o}",
+                        help="socket file mode: 600 (owner only) or 660 (owner and group) (default: %(default)s)")
     parser.add_argument("--allow-uid", dest="allow_uids", action="append", default=[], metavar="UID",
                         help="a uid or user name that may stream into the socket besides this user, root and (with "
                         "--socket-mode 660) the socket's group; repeatable")
-    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+    parser.add_argument("--max-connections", type=positive_int, default=d.max_connections,
                         help="sink connections at once; when full, the quietest one is closed to make room "
                         "(default: %(default)s)")
-    parser.add_argument("--handshake-timeout", dest="handshake_timeout_s", type=float, default=d.handshake_timeout_s,
+    parser.add_argument("--handshake-timeout", dest="handshake_timeout_s", type=positive_float,
+                        default=d.handshake_timeout_s,
                         help="seconds a new connection has to send its schema (default: %(default)s)")
-    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=d.drain_timeout_s,
+    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=nonneg_float, default=d.drain_timeout_s,
                         help="seconds connections may keep sending after SIGTERM (default: %(default)s)")
-    parser.add_argument("--message-timeout", dest="message_timeout_s", type=float, default=d.message_timeout_s,
+    parser.add_argument("--message-timeout", dest="message_timeout_s", type=positive_float, default=d.message_timeout_s,
                         help="seconds a message may take from its first byte to its last (default: %(default)s)")
-    parser.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, default=d.idle_timeout_s,
+    parser.add_argument("--idle-timeout", dest="idle_timeout_s", type=positive_float, default=d.idle_timeout_s,
                         help="seconds a stream may stay silent before it is closed; sinks reconnect when they have "
                         "data (default: %(default)s)")
-    parser.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows)
-    parser.add_argument("--max-batch-bytes", type=int, default=d.max_batch_bytes,
+    parser.add_argument("--max-batch-rows", type=positive_int, default=d.max_batch_rows,
+                        help="most rows in one message (record batch) accepted (default: %(default)s)")
+    parser.add_argument("--max-batch-bytes", type=positive_int, default=d.max_batch_bytes,
                         help="largest message (record batch) accepted (default: %(default)s)")
-    parser.add_argument("--max-buffered-bytes", type=int, default=d.max_buffered_bytes,
+    parser.add_argument("--max-buffered-bytes", type=positive_int, default=d.max_buffered_bytes,
                         help="bytes all connections together may hold in partly received messages "
                         "(default: %(default)s)")
-    parser.add_argument("--max-string-bytes", type=int, default=d.max_string_bytes,
+    parser.add_argument("--max-string-bytes", type=positive_int, default=d.max_string_bytes,
                         help="longest string value; a batch with a longer one is refused (default: %(default)s)")
-    parser.add_argument("--checkpoint-threshold", default=None, metavar="SIZE",
+    parser.add_argument("--checkpoint-threshold", type=duckdb_setting("checkpoint_threshold", empty_ok=False),
+                        default=None, metavar="SIZE",
                         help="WAL size at which DuckDB checkpoints, e.g. 16MB (default: DuckDB's)")
-    parser.add_argument("--memory-limit", default=d.memory_limit, metavar="SIZE",
+    parser.add_argument("--memory-limit", type=duckdb_setting("memory_limit"), default=d.memory_limit, metavar="SIZE",
                         help="DuckDB's memory limit: bounds its cache of the database, which otherwise grows with the "
                         "file; queries that need more spill to disk; '' = DuckDB's default, 80%% of RAM "
                         "(default: %(default)s)")
-    parser.add_argument("--coalesce-rows", type=int, default=d.coalesce_rows,
+    parser.add_argument("--coalesce-rows", type=positive_int, default=d.coalesce_rows,
                         help="rows per DuckDB insert the writer aims for (default: %(default)s)")
-    parser.add_argument("--coalesce-ms", type=int, default=d.coalesce_ms,
+    parser.add_argument("--coalesce-ms", type=nonneg_int, default=d.coalesce_ms,
                         help="longest a received batch waits for others to share its insert (default: %(default)s)")
-    parser.add_argument("--max-label-runs", type=int, default=None,
+    parser.add_argument("--max-label-runs", type=positive_int, default=None,
                         help="distinct run labels in /metrics before '_other' (default: $KVFABRIC_MAX_LABEL_RUNS, 64)")
 
 

@@ -17,40 +17,53 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import sys
 
+from kvfabric.argtypes import positive_int
 from kvfabric.queries import connect_read_only
+from kvfabric.usage import UsageError
 
 
 def _literal(path: str) -> str:
     return "'" + path.replace("'", "''") + "'"
 
 
-def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = False) -> dict[str, object]:
-    """Write ``events`` (partitioned by run, optionally by UTC date) and ``streams`` under ``out_dir``.
+def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = False, run: str | None = None,
+                   engine: str | None = None) -> dict[str, object]:
+    """Write ``events`` (partitioned by run, optionally by UTC date) and ``streams`` under ``out_dir``: every run,
+    or only ``run`` and/or only ``engine``'s rows when given.
 
-    Replaces ``out_dir/events`` and ``out_dir/streams`` if they exist (nothing else in ``out_dir`` is touched).
-    Returns counts and paths: ``events_rows``, ``streams_rows``, ``runs`` (rows per run), ``files``,
-    ``events_glob``, ``streams_path``, ``out_dir``.
+    Replaces ``out_dir/events`` and ``out_dir/streams`` if they exist (nothing else in ``out_dir`` is touched): they
+    then hold exactly the rows selected. Returns counts and paths: ``events_rows``, ``streams_rows``, ``runs`` (rows
+    per run), ``files``, ``events_glob``, ``streams_path``, ``out_dir``. Raises DatabaseUnavailable, UnknownRun (a
+    ``run`` no stream ever named), OSError (``out_dir`` cannot be created), duckdb.IOException (cannot be written).
     """
+    from kvfabric.queries import UnknownRun
+
     events_dir = os.path.join(out_dir, "events")
     streams_dir = os.path.join(out_dir, "streams")
-    os.makedirs(streams_dir, exist_ok=True)
     streams_path = os.path.join(streams_dir, "streams.parquet")
     con = connect_read_only(db_path)
     try:
-        runs = {run: n for run, n in con.execute("SELECT run_id, count(*) FROM events GROUP BY run_id").fetchall()}
+        if run is not None and not con.execute("SELECT count(*) FROM streams WHERE run_id = $run",
+                                               {"run": run}).fetchone()[0]:
+            raise UnknownRun(run)
+        where = "WHERE ($run IS NULL OR run_id = $run) AND ($engine IS NULL OR engine = $engine)"
+        params = {"run": run, "engine": engine}
+        runs = {r: n for r, n in con.execute(f"SELECT run_id, count(*) FROM events {where} GROUP BY run_id",
+                                             params).fetchall()}
+        os.makedirs(streams_dir, exist_ok=True)
         if partition_by_date:
-            select = ("SELECT *, strftime(make_timestamp(ts_ns // 1000), '%Y-%m-%d') AS date FROM events")
+            select = f"SELECT *, strftime(make_timestamp(ts_ns // 1000), '%Y-%m-%d') AS date FROM events {where}"
             partition = "run_id, date"
         else:
-            select, partition = "SELECT * FROM events", "run_id"
+            select, partition = f"SELECT * FROM events {where}", "run_id"
         con.execute(
             f"COPY ({select}) TO {_literal(events_dir)} "
-            f"(FORMAT parquet, COMPRESSION zstd, PARTITION_BY ({partition}), OVERWRITE)"
+            f"(FORMAT parquet, COMPRESSION zstd, PARTITION_BY ({partition}), OVERWRITE)", params
         )
-        con.execute(f"COPY streams TO {_literal(streams_path)} (FORMAT parquet, COMPRESSION zstd)")
-        streams_rows = con.execute("SELECT count(*) FROM streams").fetchone()
+        con.execute(f"COPY (SELECT * FROM streams {where}) TO {_literal(streams_path)} "
+                    "(FORMAT parquet, COMPRESSION zstd)", params)
+        streams_rows = con.execute(f"SELECT count(*) FROM streams {where}", params).fetchone()
     finally:
         con.close()
     files = sorted(glob.glob(os.path.join(events_dir, "**", "*.parquet"), recursive=True))
@@ -65,6 +78,15 @@ def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = Fals
     }
 
 
+def unwritable(option: str, path: str, exc: BaseException) -> UsageError:
+    """The one-line error for an output path that cannot be created or written."""
+    if isinstance(exc, OSError):
+        at = f" ({exc.filename}: {exc.strerror})" if exc.filename and exc.filename != path else f" ({exc.strerror})"
+        return UsageError(f"{option} {path}: cannot write there{at}")
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return UsageError(f"{option} {path}: cannot write there ({first})")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """``kvfabric export --db PATH --out DIR`` (Parquet) or ``--format mooncake --run R --out FILE``."""
     parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file no collector holds (default: %(default)s)")
@@ -74,28 +96,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True,
                         help="parquet: output directory (its events/ and streams/ are replaced); mooncake: file")
     parser.add_argument("--by-date", action="store_true", help="parquet: also partition events by UTC date")
-    parser.add_argument("--run", default=None, help="mooncake: the run to export (required)")
-    parser.add_argument("--engine", default=None, help="mooncake: only this engine's admissions (default: all)")
-    parser.add_argument("--block-tokens", type=int, default=512,
+    parser.add_argument("--run", default=None,
+                        help="the run to export (mooncake: required; parquet: only this run, default every run)")
+    parser.add_argument("--engine", default=None, help="only this engine's events (mooncake: its admissions; "
+                                                       "default: every engine)")
+    parser.add_argument("--block-tokens", type=positive_int, default=None,
                         help="mooncake: tokens per hash id, a multiple of the run's block size (default 512, the "
                              "Mooncake traces' and `kvfabric replay`'s; the run's block size keeps sharing exact)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfabric.queries import DatabaseUnavailable
+    import duckdb
+
+    from kvfabric.queries import DatabaseUnavailable, UnknownRun
 
     if args.format == "mooncake":
         from kvfabric.collector.mooncake import run_mooncake_export
 
+        if args.by_date:
+            raise UsageError("--by-date goes with --format parquet (a mooncake trace is one file, not partitioned)")
         return run_mooncake_export(args)
+    if args.block_tokens is not None:
+        raise UsageError("--block-tokens goes with --format mooncake (a Parquet export keeps every event as stored)")
     try:
-        result = export_parquet(args.db, args.out, partition_by_date=args.by_date)
-    except DatabaseUnavailable as exc:
-        print(f"kvfabric export: {exc}", file=sys.stderr)
-        return 2
+        result = export_parquet(args.db, args.out, partition_by_date=args.by_date, run=args.run, engine=args.engine)
+    except (DatabaseUnavailable, UnknownRun) as exc:
+        raise UsageError(f"--db {args.db}: {exc}" if isinstance(exc, DatabaseUnavailable) else f"--run: {exc}") \
+            from None
+    except (OSError, duckdb.IOException) as exc:
+        raise unwritable("--out", args.out, exc) from None
     runs = result["runs"]
     assert isinstance(runs, dict)
-    print(f"exported {result['events_rows']:,} events of {len(runs)} run(s) to {result['events_glob']}")
+    which = "" if args.engine is None else f" (engine {args.engine})"
+    print(f"exported {result['events_rows']:,} events of {len(runs)} run(s){which} to {result['events_glob']}")
     for run_id, n in sorted(runs.items()):
         print(f"  {run_id}: {n:,}")
     print(f"read back: python -c \"import duckdb; duckdb.sql(\\\"SELECT count(*) FROM "

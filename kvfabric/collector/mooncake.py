@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from typing import Any
 
 from kvfabric.analysis.traffic import recorded_traffic, trace_rows
 from kvfabric.queries import QueryRunner
+from kvfabric.usage import UsageError
 
 
 def export_mooncake(db_path: str, run: str, out_path: str, *, engine: str | None = None,
@@ -63,16 +63,22 @@ def export_mooncake(db_path: str, run: str, out_path: str, *, engine: str | None
 
 
 def run_mooncake_export(args: argparse.Namespace) -> int:
+    from kvfabric.collector.export import unwritable
     from kvfabric.queries import DatabaseUnavailable, UnknownRun
 
     if not args.run:
-        print("kvfabric export: --format mooncake needs --run", file=sys.stderr)
-        return 2
+        raise UsageError("--format mooncake needs --run (the run to export)")
+    block_tokens = 512 if args.block_tokens is None else args.block_tokens
     try:
-        result = export_mooncake(args.db, args.run, args.out, engine=args.engine, block_tokens=args.block_tokens)
-    except (DatabaseUnavailable, UnknownRun, ValueError) as exc:
-        print(f"kvfabric export: {exc}", file=sys.stderr)
-        return 2
+        result = export_mooncake(args.db, args.run, args.out, engine=args.engine, block_tokens=block_tokens)
+    except DatabaseUnavailable as exc:
+        raise UsageError(f"--db: {exc}") from None
+    except UnknownRun as exc:
+        raise UsageError(f"--run: {exc}") from None
+    except OSError as exc:
+        raise unwritable("--out", args.out, exc) from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     print(f"exported {result['rows']:,} admissions of run {args.run} ({result['prompt_tokens']:,} prompt tokens, "
           f"{result['hash_ids']:,} distinct hash ids of {result['block_tokens']} tokens) to {result['out']}")
     if result["block_tokens"] == 512:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
-import sys
+import math
 from typing import Any
 
+from kvfabric.argtypes import int_range, positive_float
 from kvfabric.queries import QueryRunner
+from kvfabric.usage import UsageError
 
 
 def run_named_query(db_path: str, name: str, **params: Any) -> Any:
@@ -20,30 +23,120 @@ def run_named_query(db_path: str, name: str, **params: Any) -> Any:
     return QueryRunner.for_path(db_path).run(name, **params)
 
 
+#: Each query parameter's command-line flag (``top_waste_families``'s ``n`` is its ``--limit``).
+FLAGS: dict[str, str] = {
+    "run": "--run", "family": "--family", "engine": "--engine", "block_hash": "--block-hash", "a": "--a",
+    "b": "--b", "request_id": "--request-id", "bucket_s": "--bucket-s", "since_ns": "--since-ns",
+    "until_ns": "--until-ns", "limit": "--limit", "n": "--limit", "cursor": "--cursor",
+}
+
+
+def _block_hash(text: str) -> str:
+    from kvfabric.queries import BadParameter, parse_block_hash
+
+    try:
+        parse_block_hash(text)
+    except BadParameter as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text  # the runner parses it (and prints the given form in "not found")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """``kvfabric query NAME --db PATH [--run R] ...``."""
-    from kvfabric.queries import QUERY_NAMES
+    from kvfabric.queries import MAX_LIMIT, QUERY_NAMES
 
+    parser.epilog = "what each query needs:\n" + "\n".join(f"  {n:<19} {usage_of(n)}" for n in QUERY_NAMES)
     parser.add_argument("name", choices=QUERY_NAMES, metavar="NAME", help="one of: " + ", ".join(QUERY_NAMES))
     parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file no collector holds (default: %(default)s)")
     parser.add_argument("--run", default=None, help="run id (run_summary, families, evictions, ...)")
     parser.add_argument("--family", default=None, help="family id (family_detail, evictions)")
     parser.add_argument("--engine", default=None, help="engine (evictions)")
-    parser.add_argument("--block-hash", dest="block_hash", type=int, default=None, help="digest (block_history)")
+    parser.add_argument("--block-hash", dest="block_hash", type=_block_hash, default=None, metavar="HASH",
+                        help="block digest, as REST takes and prints it: 16 hex digits, 0x-hex or signed decimal "
+                             "(block_history)")
     parser.add_argument("--a", default=None, help="first run (compare)")
     parser.add_argument("--b", default=None, help="second run (compare)")
     parser.add_argument("--request-id", dest="request_id", default=None, help="request id (request)")
-    parser.add_argument("--bucket-s", dest="bucket_s", type=float, default=None,
+    parser.add_argument("--bucket-s", dest="bucket_s", type=positive_float, default=None,
                         help="time-window length in seconds (misses; default 60)")
-    parser.add_argument("--limit", type=int, default=None, help="row limit")
-    parser.add_argument("--format", choices=["json", "table"], default="table", help="output (default: table)")
+    parser.add_argument("--since-ns", dest="since_ns", type=int, default=None,
+                        help="events at or after this time, ns since the epoch (evictions)")
+    parser.add_argument("--until-ns", dest="until_ns", type=int, default=None,
+                        help="events before this time, ns since the epoch (evictions)")
+    parser.add_argument("--limit", type=int_range(1, MAX_LIMIT), default=None,
+                        help=f"rows per answer, 1..{MAX_LIMIT} (default: the query's own, shown below)")
+    parser.add_argument("--cursor", default=None,
+                        help="evictions: the next_cursor a previous page printed, for the page after it")
+    parser.add_argument("--format", choices=["json", "table"], default="table",
+                        help="table: numbers rounded for reading; json: every value exactly (default: %(default)s)")
+
+
+def _signature(name: str) -> list[inspect.Parameter]:
+    return [p for p in inspect.signature(getattr(QueryRunner, name)).parameters.values() if p.name != "self"]
+
+
+def usage_of(name: str) -> str:
+    """``--run RUN [--limit N (100)]``: the flags query ``name`` takes, required ones first."""
+    parts = []
+    for p in _signature(name):
+        flag = FLAGS[p.name]
+        if p.default is inspect.Parameter.empty and not (name == "run_summary" and p.name == "run"):
+            parts.append(f"{flag} {p.name.upper()}")
+        else:
+            number = isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
+            default = f" (default {p.default:g})" if number else ""
+            parts.append(f"[{flag}{default}]")
+    return " ".join(parts) or "(no options)"
+
+
+def query_params(name: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of query ``name`` from the flags given (None = not given). Raises UsageError for a
+    required flag left out and for a flag this query does not take: nothing given is silently ignored."""
+    given = {k: v for k, v in given.items() if v is not None}
+    params = _signature(name)
+    names = {p.name for p in params}
+    if "n" in names and "limit" in given:
+        given["n"] = given.pop("limit")
+    unused = [FLAGS[k] for k in given if k not in names]
+    if unused:
+        raise UsageError(f"{name} does not take {', '.join(unused)}; it takes: {usage_of(name)}")
+    missing = [FLAGS[p.name] for p in params if p.default is inspect.Parameter.empty and p.name not in given
+               and not (name == "run_summary" and p.name == "run")]
+    if missing:
+        raise UsageError(f"{name} needs {' and '.join(missing)}; it takes: {usage_of(name)}")
+    return given
+
+
+def human(value: Any) -> Any:
+    """``value`` with every float rounded for a person to read (4 significant digits, one decimal from 100 up);
+    integers (ids, times in ns, counts) stay exact."""
+    if isinstance(value, float):
+        if not math.isfinite(value) or value == 0:
+            return value
+        return round(value, 1) if abs(value) >= 100 else float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: human(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [human(v) for v in value]
+    return value
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        value = human(value)
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(human(value), default=str)
+    return str(value)
 
 
 def _print_sections(result: dict[str, Any]) -> None:
     """``misses`` and ``request`` answers: a few tables, each under a title."""
     if "totals" in result:
-        print(f"run {result['run_id']}: {json.dumps(result['totals'])}")
-        print(f"evictions by reason: {json.dumps(result['evictions_by_reason'])}")
+        print(f"run {result['run_id']}: {_cell(result['totals'])}")
+        print(f"evictions by reason: {_cell(result['evictions_by_reason'])}")
         print("\nby family")
         _print_table(result["items"])
         print(f"\nby window of {result['bucket_s']:g} s")
@@ -51,44 +144,65 @@ def _print_sections(result: dict[str, Any]) -> None:
         return
     for a in result["admissions"]:
         print(f"{result['request_id']}  run {a['run_id']}  engine {a['engine']}  admission {a['admission']}  "
-              f"family {a['family']}  prompt {a['prompt_tokens']}  split {json.dumps(a['split'])}")
+              f"family {a['family']}  prompt {a['prompt_tokens']}  split {_cell(a['split'])}")
         _print_table([{k: b[k] for k in ("depth", "tokens", "kind", "cause", "block_hash_hex", "rebuilt",
                                          "last_evicted_ns", "evicted_reason", "evicted_by_request")}
                       for b in a["blocks"]])
         print()
 
 
+def _is_rows(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(r, dict) for r in value)
+
+
 def _print_table(result: Any) -> None:
     if isinstance(result, dict) and ("totals" in result or "admissions" in result):
         _print_sections(result)
         return
-    rows = result.get("items", result) if isinstance(result, dict) else result
-    if isinstance(rows, dict):
-        width = max((len(str(k)) for k in rows), default=0)
-        for k, v in rows.items():
-            print(f"{k:<{width}}  {json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}")
+    if isinstance(result, dict) and "items" in result:  # a page: its rows, then how to get the next one
+        _print_table(result["items"])
+        if result.get("next_cursor"):
+            print(f"(more rows: repeat with --cursor {result['next_cursor']} for the next page)")
         return
-    if not rows:
+    if isinstance(result, dict):
+        scalars = {k: v for k, v in result.items() if not _is_rows(v)}
+        width = max((len(str(k)) for k in scalars), default=0)
+        for k, v in scalars.items():
+            print(f"{k:<{width}}  {_cell(v)}")
+        for k, v in result.items():
+            if _is_rows(v):
+                print(f"\n{k}")
+                _print_table(v)
+        return
+    if not result:
         print("(no rows)")
         return
-    cols = list(rows[0])
-    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
+    if not _is_rows(result):
+        for v in result:
+            print(_cell(v))
+        return
+    cols = list(result[0])
+    cells = [[_cell(r.get(c)) for c in cols] for r in result]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
     for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfabric.queries import BadParameter, DatabaseUnavailable, NotFound, UnknownRun
+    from kvfabric.queries import BadParameter, DatabaseUnavailable, NotFound, QueryTimeout, UnknownRun
 
-    params = {"run": args.run, "family": args.family, "engine": args.engine, "block_hash": args.block_hash,
-              "a": args.a, "b": args.b, "limit": args.limit, "request_id": args.request_id, "bucket_s": args.bucket_s}
+    params = query_params(args.name, {
+        "run": args.run, "family": args.family, "engine": args.engine, "block_hash": args.block_hash, "a": args.a,
+        "b": args.b, "limit": args.limit, "request_id": args.request_id, "bucket_s": args.bucket_s,
+        "since_ns": args.since_ns, "until_ns": args.until_ns, "cursor": args.cursor,
+    })
     try:
         result = run_named_query(args.db, args.name, **params)
-    except (BadParameter, DatabaseUnavailable, NotFound, UnknownRun, TypeError) as exc:
-        print(f"kvfabric query {args.name}: {exc}", file=sys.stderr)
-        return 2
+    except DatabaseUnavailable as exc:
+        raise UsageError(f"--db: {exc}") from None
+    except (BadParameter, NotFound, UnknownRun, QueryTimeout) as exc:
+        raise UsageError(f"{args.name}: {exc}") from None
     if args.format == "json":
         print(json.dumps(result, indent=2, default=str))
     else:

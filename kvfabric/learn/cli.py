@@ -18,34 +18,37 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
+from kvfabric.argtypes import nonneg_int, positive_int
 from kvfabric.policies.reuse_model import DEFAULT_FEATURES, FEATURES
+from kvfabric.sim.tracecheck import scan_trace
+from kvfabric.usage import UsageError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n", 1)[1] if __doc__ else None
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="hash_ids JSONL trace (Mooncake format)")
     src.add_argument("--db", help="the collector's DuckDB file (with --run)")
     parser.add_argument("--run", help="run id to learn from (with --db)")
     parser.add_argument("--out", required=True, help="where to write the model (JSON)")
-    parser.add_argument("--skip", type=int, default=0, help="trace: skip the first K rows (default 0)")
-    parser.add_argument("--limit", type=int, default=None, help="trace: use at most K rows")
-    parser.add_argument("--block-size", type=int, default=16, help="trace: tokens per KV block (default 16)")
+    parser.add_argument("--skip", type=nonneg_int, default=0, help="trace: skip the first K rows (default: 0)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="trace: use at most K rows")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="trace: tokens per KV block (default: 16)")
     parser.add_argument("--capacity", default="0.05,0.2",
-                        help="pool sizes to replay at, as shares of the traffic's unique blocks (default 0.05,0.2)")
+                        help="pool sizes to replay at, as shares of the traffic's unique blocks (default: "
+                             "%(default)s)")
     parser.add_argument("--features", default=",".join(DEFAULT_FEATURES),
                         help=f"features of a block's class (default {','.join(DEFAULT_FEATURES)}; "
                              f"known: {','.join(FEATURES)})")
-    parser.add_argument("--format", choices=("json", "text"), default="text")
+    parser.add_argument("--format", choices=("json", "text"), default="text",
+                        help="text: a summary and the most reused classes; json: the summary as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def _error(msg: str) -> int:
-    print(f"kvfabric learn: {msg}", file=sys.stderr)
-    return 2
+def _error(msg: str) -> NoReturn:
+    raise UsageError(msg)
 
 
 def _progress_factory(enabled: bool) -> Any:
@@ -77,6 +80,7 @@ def _progress_factory(enabled: bool) -> Any:
 def run(args: argparse.Namespace) -> int:
     from kvfabric.learn import source
     from kvfabric.learn.fit import learn
+    from kvfabric.queries import DatabaseUnavailable, QueryRunner
 
     features = tuple(f.strip() for f in args.features.split(",") if f.strip())
     unknown = [f for f in features if f not in FEATURES]
@@ -98,18 +102,20 @@ def run(args: argparse.Namespace) -> int:
                 return _error("--run goes with --db, not --trace")
             if not os.path.isfile(args.trace):
                 return _error(f"no trace file {args.trace!r}")
-            if args.skip < 0 or (args.limit is not None and args.limit < 1):
-                return _error("--skip must be >= 0 and --limit >= 1")
+            scan_trace(args.trace, args.limit, skip=args.skip)  # a malformed row is refused by file and line
             traffic = source.from_trace(args.trace, args.block_size, args.skip, args.limit)
         else:
             if not args.run:
                 return _error("--db needs --run RUN_ID")
+            QueryRunner.for_path(args.db).runs()  # a file that is not a collector's database: one line naming it
             traffic = source.from_db(args.db, args.run)
         if not traffic.chains:
             return _error("no requests to learn from")
         model = learn(traffic, features, capacities, _progress_factory(not args.no_progress))
     except (ValueError, KeyError) as exc:  # malformed trace rows, unknown run, empty traffic
         return _error(str(exc))
+    except DatabaseUnavailable as exc:
+        return _error(f"--db: {exc}")
     model.training["command"] = "kvfabric learn " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["learn"] else [])
     model.training["wall_s"] = round(time.perf_counter() - t0, 1)
     model.save(args.out)

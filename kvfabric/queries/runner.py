@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -88,6 +89,8 @@ def connect_read_only(db_path: str) -> duckdb.DuckDBPyConnection:
     """
     if not os.path.exists(db_path):
         raise DatabaseUnavailable(f"no database at {db_path}")
+    if os.path.isdir(db_path):
+        raise DatabaseUnavailable(f"{db_path} is a directory, not a database file")
     try:
         return duckdb.connect(db_path, read_only=True)
     except duckdb.IOException as e:
@@ -96,22 +99,38 @@ def connect_read_only(db_path: str) -> duckdb.DuckDBPyConnection:
                 f"{db_path} is open in a running collector (DuckDB allows one writer process and no readers beside "
                 f"it); query the collector's REST API, or copy the file and query the copy. ({e})"
             ) from e
-        raise
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DatabaseUnavailable(f"{db_path} cannot be read as a DuckDB database ({first})") from e
+    except duckdb.Error as e:  # e.g. a file of a newer DuckDB storage version
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DatabaseUnavailable(f"{db_path} cannot be opened ({first})") from e
 
 
 def _refuse_older_file(con: duckdb.DuckDBPyConnection, error: Exception) -> None:
-    """A file of an older schema version lacks columns the queries read: say how to upgrade it, not "Binder Error"."""
+    """A file of an older schema version lacks columns the queries read: say how to upgrade it, not "Binder Error";
+    a DuckDB file that is not a collector's lacks its tables: say so, not "Catalog Error"."""
     from kvfabric import schema as S
 
     try:
         row = con.execute("SELECT value FROM kvfabric_meta WHERE key = 'schema_version'").fetchone()
     except duckdb.Error:
+        if isinstance(error, duckdb.CatalogException):  # a table the collector always creates is missing
+            raise DatabaseUnavailable(f"{_path_of(con)} is not a kvfabric collector database (it has no "
+                                      "kvfabric_meta table)") from error
         return
     if row is not None and row[0] != str(S.SCHEMA_VERSION):
         raise DatabaseUnavailable(
-            f"the database holds schema version {row[0]} (this kvfabric reads {S.SCHEMA_VERSION}); open it once with "
-            f"`kvfabric collector --db FILE` to upgrade it in place"
+            f"{_path_of(con)} holds schema version {row[0]} (this kvfabric reads {S.SCHEMA_VERSION}); open it once "
+            f"with `kvfabric collector --db FILE` to upgrade it in place"
         ) from error
+
+
+def _path_of(con: duckdb.DuckDBPyConnection) -> str:
+    try:
+        row = con.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchone()
+    except duckdb.Error:
+        row = None
+    return str(row[0]) if row and row[0] else "the database"
 
 
 class QueryRunner:
@@ -150,7 +169,7 @@ class QueryRunner:
             return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
         except duckdb.InterruptException as e:
             raise QueryTimeout(f"query {name} took longer than {self._timeout_s:g} s") from e
-        except duckdb.BinderException as e:
+        except (duckdb.BinderException, duckdb.CatalogException) as e:
             _refuse_older_file(con, e)
             raise
         finally:
@@ -331,9 +350,10 @@ class QueryRunner:
             return [self.run_summary(r["run_id"]) for r in self.runs()]
         method = getattr(self, name)
         try:
-            return method(**params)
-        except TypeError as e:
-            raise BadParameter(f"query {name}: {e}") from e
+            inspect.signature(method).bind(**params)
+        except TypeError as e:  # a parameter missing or not taken: the caller's, not a fault inside the query
+            raise BadParameter(f"query {name}: {e}") from None
+        return method(**params)
 
 
 QUERY_NAMES: tuple[str, ...] = (

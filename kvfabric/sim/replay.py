@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfabric import schema as S
+from kvfabric.argtypes import int_range, nonneg_int, positive_int
 from kvfabric.hook.hints import request_info
 from kvfabric.policies import ALL_POLICIES, make_policy
 from kvfabric.policies.base import EvictionPolicy, RequestInfo
 from kvfabric.policies.optimal import occurrences_of
+from kvfabric.usage import UsageError
 
 REPLAY_POLICIES: tuple[str, ...] = ALL_POLICIES
 
@@ -332,43 +334,49 @@ def _ticker(bar: Any) -> Iterator[None]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="hash_ids JSONL trace (Mooncake format)")
-    parser.add_argument("--policy", default="lru", choices=REPLAY_POLICIES, help="eviction policy (default lru)")
+    parser.add_argument("--policy", default="lru", choices=REPLAY_POLICIES, help="eviction policy (default: lru)")
     parser.add_argument("--policy-model", default=None, metavar="MODEL",
                         help="the learned policy's reuse model (kvfabric learn --out MODEL; default: the built-in one)")
-    parser.add_argument("--num-blocks", type=int, required=True,
+    parser.add_argument("--num-blocks", type=int_range(2), required=True,
                         help="KV pool size in blocks (vLLM counts its null block in it)")
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first K rows")
-    parser.add_argument("--max-output-tokens", type=int, default=1,
+    parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first K rows")
+    parser.add_argument("--max-output-tokens", type=positive_int, default=1,
                         help="cap on each request's output tokens (default 1; outputs are made up)")
-    parser.add_argument("--concurrency", type=int, default=1,
+    parser.add_argument("--concurrency", type=positive_int, default=1,
                         help="requests running at once (vLLM max_num_seqs; default 1 = sequential)")
     parser.add_argument("--collector", default=None, metavar="SOCKET",
                         help="also stream the hook's events to a collector's Unix socket")
-    parser.add_argument("--format", choices=("json", "text"), default="text")
+    parser.add_argument("--format", choices=("json", "text"), default="text",
+                        help="text: one line per number; json: one JSON object")
     parser.add_argument("--fast", action="store_true", help="block-level offline replay (no vLLM), for sweeps")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="vLLM's per-step token budget")
-    parser.add_argument("--admission-anchor-blocks", type=int, default=0,
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
+                        help="vLLM's per-step token budget")
+    parser.add_argument("--admission-anchor-blocks", type=nonneg_int, default=0,
                         help="admission gate: cache at most N leading blocks of requests outside a known family "
                              "(default 0 = off)")
     parser.add_argument("--cache-aware-scheduling", action="store_true",
                         help="hold waiting requests whose prefix a running request is prefilling")
-    parser.add_argument("--latency", default="qwen", help="latency model of the simulated GPU (default qwen)")
+    from kvfabric.sim.latency import LATENCY_MODELS
+
+    parser.add_argument("--latency", default="qwen", choices=sorted(LATENCY_MODELS),
+                        help="latency model of the simulated GPU (default: qwen)")
     parser.add_argument("--run-id", default=None, help="run label on the events (default replay-POLICY-N)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvfabric.sim.tracecheck import scan_trace
+
     if not os.path.isfile(args.trace):
-        print(f"kvfabric replay: no trace file {args.trace!r}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--trace: no trace file {args.trace!r}")
     try:
+        scan_trace(args.trace, args.limit)  # a malformed row is refused here, by file and line
         return _run(args)
     except ValueError as exc:  # a request the pool can never hold, a malformed trace row, a bad flag value
-        print(f"kvfabric replay: {exc}", file=sys.stderr)
         if "blocks, the pool has" in str(exc):
-            print("  (raise --num-blocks: every request must fit the pool on its own)", file=sys.stderr)
-        return 2
+            raise UsageError(f"{exc} (raise --num-blocks: every request must fit the pool on its own)") from None
+        raise UsageError(str(exc)) from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -376,16 +384,13 @@ def _run(args: argparse.Namespace) -> int:
         from kvfabric.policies.reuse_model import load_model
 
         if args.policy != "learned":
-            print("kvfabric replay: --policy-model goes with --policy learned", file=sys.stderr)
-            return 2
+            raise UsageError("--policy-model goes with --policy learned")
         load_model(args.policy_model)  # a ModelError (ValueError) here is one line and exit 2
     if args.fast:
         if args.collector:
-            print("kvfabric replay: --collector needs the real scheduler (drop --fast)", file=sys.stderr)
-            return 2
+            raise UsageError("--collector needs the real scheduler (drop --fast)")
         if args.cache_aware_scheduling:
-            print("kvfabric replay: --cache-aware-scheduling needs the real scheduler (drop --fast)", file=sys.stderr)
-            return 2
+            raise UsageError("--cache-aware-scheduling needs the real scheduler (drop --fast)")
         out = replay_fast(args.trace, args.policy, args.num_blocks, limit=args.limit,
                           max_output_tokens=args.max_output_tokens, concurrency=args.concurrency,
                           block_size=args.block_size, admission_anchor_blocks=args.admission_anchor_blocks,
