@@ -8,7 +8,10 @@ Invariants:
     destination unreachable at shutdown) are counted, and the count is sent as a ``sink_dropped`` row in the next
     batch that goes out; a write that fails keeps its batch for the next attempt instead of discarding it;
   * while the destination is unreachable, rows stay in the bounded buffer (up to its capacity) and the sink retries
-    with exponential backoff (0.1 s doubling to 5 s).
+    with exponential backoff (0.1 s doubling to 5 s);
+  * a failing destination is logged once, never once per flush (:class:`FailureLog`): one line naming the sink, its
+    path and the reason, then at most one summary a minute (failures by reason, events dropped since the last
+    line), and one line when it works again; every failure is counted (``Sink.failures``) whether logged or not.
 
 :class:`UnixArrowSink` speaks protocol 2 (kvfabric/protocol.py) and makes "delivered" mean *committed*: it checks
 who listens on the socket before sending anything, sends nothing before the collector's HELLO, keeps every batch
@@ -21,6 +24,7 @@ So a collector killed mid-stream and restarted loses nothing, and whatever does 
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
@@ -43,6 +47,112 @@ from kvfabric.hook.buffer import EventBuffer
 log = logging.getLogger("kvfabric.hook")
 
 _ARROW_TYPES = [EVENT_FIELD.type for EVENT_FIELD in S.EVENT_SCHEMA][1:]  # seq excluded: stamped per batch
+
+
+REPORT_EVERY_S = 60.0
+"""While a destination keeps failing, at most one summary line per this many seconds."""
+
+
+def os_reason(exc: OSError) -> str:
+    """The failure reason (a short fixed word, see docs/metrics.md) of an ``OSError`` opening or writing a file."""
+    e = exc.errno
+    if e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "disk_full"
+    if e in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "permission"
+    if e in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP):
+        return "bad_path"
+    return "io_error"
+
+
+class FailureLog:
+    """What a sink says while its destination fails: logged once, counted always.
+
+    The first failure logs one line naming the sink, its path, the reason and the error; later ones are only
+    counted until ``every_s`` has passed since the last line, and then summarised in one line (failures by reason,
+    events dropped since the last line, events waiting); the first success after failures logs one line. A
+    destination that fails again within ``every_s`` of the last line (one that flaps) starts no new line: its
+    failures go into the next summary, and its recovery is not logged. So however often a sink flushes, a failing
+    destination costs at most two lines, then one a minute; never a traceback per flush (an unexpected exception's
+    traceback is logged once per sink).
+
+    ``events()`` gives (events lost so far, events waiting); ``clock`` is injectable so tests can step through
+    minutes without sleeping.
+    """
+
+    def __init__(self, what: str, events: Callable[[], tuple[int, int]],
+                 clock: Callable[[], float] = time.monotonic, every_s: float = REPORT_EVERY_S) -> None:
+        self.what = what
+        self._events = events
+        self.clock = clock
+        self.every_s = every_s
+        self.failures: dict[str, int] = {}  # every failure, by reason (monotonic)
+        self.lines = 0  # lines logged
+        self.failing = False
+        self._announced = False  # this run of failures was announced (so its end is too)
+        self._last_line: float | None = None
+        self._since: dict[str, int] = {}  # failures by reason since the last line
+        self._lost_mark = 0  # events lost as of the last line
+        self._last_error = ""
+        self._traced = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.failures.values())
+
+    def failed(self, reason: str, error: str, *, level: int = logging.WARNING,
+               exc: BaseException | None = None) -> None:
+        """Count one failure; log it when it starts a run of failures or a summary is due."""
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+        self._since[reason] = self._since.get(reason, 0) + 1
+        self._last_error = error
+        now = self.clock()
+        due = self._last_line is None or now - self._last_line >= self.every_s
+        trace = exc if exc is not None and not self._traced else None
+        if not self.failing:
+            self.failing = True
+            self._announced = due
+            if due:
+                _, waiting = self._events()
+                self._log(level, now, trace, "kvfabric: %s failed (%s): %s; events wait (%d now) up to a bound, "
+                          "then are dropped and counted; further failures are summarised at most every %.0f s",
+                          self.what, reason, error, waiting, self.every_s)
+        elif due:
+            self._summary(now, level, trace, "still failing")
+
+    def recovered(self) -> None:
+        """The destination took a batch: the run of failures (if any) is over."""
+        if not self.failing:
+            return
+        self.failing = False
+        if self._announced:
+            lost, _ = self._events()
+            self._log(logging.WARNING, self.clock(), None,
+                      "kvfabric: %s works again after %d more failures; %d events dropped by this sink meanwhile "
+                      "(all loss, this sink's and the ring's in vLLM's process, goes out in sink_dropped rows)",
+                      self.what, sum(self._since.values()), lost - self._lost_mark)
+
+    def close(self) -> None:
+        """At shutdown: one last summary of failures not yet logged (if any)."""
+        if self._since:
+            self._summary(self.clock(), logging.WARNING, None, "closing")
+
+    def _summary(self, now: float, level: int, trace: BaseException | None, state: str) -> None:
+        lost, waiting = self._events()
+        since = "never" if self._last_line is None else f"{now - self._last_line:.0f} s"
+        by_reason = ", ".join(f"{r}: {n}" for r, n in sorted(self._since.items()))
+        self._log(level, now, trace, "kvfabric: %s %s: %d failures in the last %s (%s), %d events dropped by this "
+                  "sink since, %d waiting; last error: %s", self.what, state, sum(self._since.values()), since,
+                  by_reason, lost - self._lost_mark, waiting, self._last_error)
+
+    def _log(self, level: int, now: float, trace: BaseException | None, msg: str, *args: object) -> None:
+        if trace is not None:
+            self._traced = True
+        log.log(level, msg, *args, exc_info=trace)
+        self.lines += 1
+        self._last_line = now
+        self._since = {}
+        self._lost_mark = self._events()[0]
 
 
 # Rows converted per slice before the sink thread hands the GIL back. vLLM's scheduler thread shares the GIL
@@ -73,9 +183,10 @@ _ENCODE_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError)
 class Sink:
     """Base sink: the thread, batching, drop accounting. Subclasses implement ``_ready`` and ``_write``.
 
-    ``_write`` raising ``OSError`` means "the destination failed": the batch is kept and retried (after
-    ``_ready`` says the destination is back). Any other exception means the batch cannot be encoded: its events
-    are counted lost (and reported in the next batch).
+    ``_write`` raising ``OSError`` means "the destination failed": the batch is kept and retried at the next flush
+    (once ``_ready`` says the destination is back). Any other exception means the batch cannot be encoded: its
+    events are counted lost (and reported in the next batch). Failures go to :attr:`failure_log` (logged once,
+    counted always); ``clock`` is its clock (and the backoff's), injectable for tests.
     """
 
     name = "none"
@@ -87,6 +198,8 @@ class Sink:
         dropped_row: Callable[[int], tuple],
         batch_events: int = 4096,
         flush_ms: int = 100,
+        clock: Callable[[], float] = time.monotonic,
+        report_every_s: float = REPORT_EVERY_S,
     ) -> None:
         self.buffer = buffer
         self.metadata = {S.META_STREAM_ID: uuid.uuid4().hex, **metadata}
@@ -105,6 +218,22 @@ class Sink:
         self._thread: threading.Thread | None = None
         self._flush_lock = threading.Lock()  # one flusher at a time (the thread, or close())
         self.on_progress: Callable[[], None] | None = None  # called after every batch delivered
+        self._clock = clock
+        self.failure_log = FailureLog(self.describe(), lambda: (self.lost_events, self.waiting_events()), clock,
+                                      report_every_s)
+
+    def describe(self) -> str:
+        """The sink and where it writes, as its log lines name it."""
+        return f"{self.name} sink {getattr(self, 'path', '')}".rstrip()
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Failures of the destination so far, by reason (docs/metrics.md lists the reasons)."""
+        return self.failure_log.failures
+
+    def waiting_events(self) -> int:
+        """Events held for the destination: buffered, or in a batch kept for retry."""
+        return len(self.buffer) + (self._retry[2] if self._retry is not None else 0)
 
     # ---- life cycle ------------------------------------------------------------------------------------------
 
@@ -121,8 +250,12 @@ class Sink:
         self.buffer.wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._flush(final=True)
+        try:
+            self._flush(final=True)
+        except Exception as exc:  # never into the caller (atexit, the forwarder's exit)
+            self._internal_error(exc)
         self._close_output()
+        self.failure_log.close()
 
     @property
     def lost_events(self) -> int:
@@ -140,8 +273,12 @@ class Sink:
             wakeup.clear()
             try:
                 self._flush(final=False)
-            except Exception:  # the thread must survive anything a destination does
-                log.exception("kvfabric: sink flush failed")
+            except Exception as exc:  # the thread must survive anything a destination does
+                self._internal_error(exc)
+
+    def _internal_error(self, exc: Exception) -> None:
+        """A flush raised what no destination should: counted and logged like a failure (its traceback once)."""
+        self.failure_log.failed("internal", f"{type(exc).__name__}: {exc}", level=logging.ERROR, exc=exc)
 
     # ---- batching --------------------------------------------------------------------------------------------
 
@@ -151,7 +288,6 @@ class Sink:
                 if final:
                     self._abandon()
                 return
-            failed_once = False
             while True:  # one batch per round: memory and GIL hold stay bounded however deep the backlog
                 if self._retry is not None:
                     rows, seq, n_events, pending = self._retry
@@ -166,20 +302,18 @@ class Sink:
                 try:
                     self._write(rows, seq)
                 except OSError as exc:
-                    self._retry = (rows, seq, n_events, pending)  # kept: the next connection gets it
+                    self._retry = (rows, seq, n_events, pending)  # kept: the next flush retries it
                     self._on_write_error(exc)
-                    if failed_once or not self._ready(final):
-                        if final:
-                            self._abandon()
-                        return  # retried on the next round
-                    failed_once = True
-                    continue
+                    if final:
+                        self._abandon()
+                    return
                 except _ENCODE_ERRORS as exc:
                     self._retry = None
                     self._unencodable(n_events, exc)
                     continue
                 self._retry = None
                 self._count_sent(len(rows), n_events, pending)
+                self.failure_log.recovered()
                 if self.on_progress is not None:
                     self.on_progress()
 
@@ -197,8 +331,8 @@ class Sink:
     def _unencodable(self, n_events: int, exc: Exception) -> None:
         """A batch that cannot be encoded at all (retrying would fail again): its events are counted lost."""
         self.send_lost += n_events
-        log.error("kvfabric: sink %s cannot encode a batch of %d events (%s); they are counted lost",
-                  self.name, n_events, exc)
+        self.failure_log.failed("unencodable", f"a batch of {n_events} events cannot be encoded ({exc}); they are "
+                                "counted lost", level=logging.ERROR)
 
     def _count_sent(self, rows: int, n_events: int, pending: int) -> None:
         """A batch of ``rows`` rows went out: ``n_events`` events, and a report of ``pending`` lost ones."""
@@ -227,8 +361,8 @@ class Sink:
     def _write(self, rows: list[tuple], seq: int) -> None:
         """Deliver one batch or raise."""
 
-    def _on_write_error(self, exc: Exception) -> None:
-        log.warning("kvfabric: sink %s write failed: %s", self.name, exc)
+    def _on_write_error(self, exc: OSError) -> None:
+        self.failure_log.failed(os_reason(exc), f"cannot write: {exc}")
 
     def _close_output(self) -> None:
         pass
@@ -277,10 +411,10 @@ class UnixArrowSink(Sink):
         write_timeout_s: float = 10.0,
         **kwargs: object,
     ) -> None:
+        self.path = path
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.metadata[P.META_PROTOCOL] = str(P.PROTOCOL_VERSION)
         self.schema = S.stream_schema(self.metadata)
-        self.path = path
         self.replay_events = max(1, replay_events)
         self.hello_timeout_s = hello_timeout_s
         self.write_timeout_s = write_timeout_s
@@ -298,7 +432,7 @@ class UnixArrowSink(Sink):
         self.acked_events = 0  # events the collector committed (or recognised as already committed)
         self.acked_reported = 0  # lost events reported in sink_dropped rows the collector committed
         self.refused_events = 0  # events the collector refused and counted (never stored)
-        self._warned = False
+        self._protocol_error: str | None = None  # why the last read of acknowledgements failed, if it was garbage
 
     # ---- accounting ------------------------------------------------------------------------------------------
 
@@ -310,6 +444,9 @@ class UnixArrowSink(Sink):
     @property
     def unacked_events(self) -> int:
         return sum(e.events for e in self._unacked)
+
+    def waiting_events(self) -> int:
+        return len(self.buffer) + self.unacked_events
 
     # ---- life cycle ------------------------------------------------------------------------------------------
 
@@ -338,6 +475,7 @@ class UnixArrowSink(Sink):
                 self._read_acks(min(0.05, max(0.0, deadline - time.monotonic())))
             self._give_up()
             self._close_output()
+        self.failure_log.close()
 
     def _shutdown_socket(self) -> None:
         sock = self._sock
@@ -415,7 +553,7 @@ class UnixArrowSink(Sink):
         try:
             self._sock.sendall(message)
         except (OSError, ValueError) as exc:
-            self._drop_connection(f"write failed: {exc}")
+            self._drop_connection("connection_lost", f"write failed: {exc}")
             return False
         return True
 
@@ -424,7 +562,7 @@ class UnixArrowSink(Sink):
     def _ensure_connected(self, final: bool) -> bool:
         if self._sock is not None:
             return True
-        now = time.monotonic()
+        now = self._clock()
         if now < self._next_attempt and not final:
             return False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -433,12 +571,13 @@ class UnixArrowSink(Sink):
             sock.connect(self.path)
         except OSError as exc:
             sock.close()
-            self._failed_attempt(f"unreachable ({exc})")
+            reason = "permission" if exc.errno in (errno.EACCES, errno.EPERM) else "unreachable"
+            self._failed_attempt(reason, f"cannot connect to the collector: {exc}")
             return False
         why = P.untrusted_listener(P.peer_credentials(sock), self.path)
         if why is not None:  # checked before a single byte (even the metadata) goes out
             sock.close()
-            self._failed_attempt(f"refused: {why}", level=logging.ERROR)
+            self._failed_attempt("untrusted_listener", f"nothing sent: {why}", level=logging.ERROR)
             return False
         # The schema goes out on its own (pyarrow's stream writer would hold it back until the first batch): the
         # collector answers it with HELLO, and no batch leaves before that answer.
@@ -446,14 +585,18 @@ class UnixArrowSink(Sink):
             sock.sendall(self._schema_message)
         except OSError as exc:
             sock.close()
-            self._failed_attempt(f"closed before the schema was sent ({exc})")
+            self._failed_attempt("connection_lost", f"closed before the schema was sent ({exc})")
             return False
         self._sock = sock
         self._decoder = P.AckDecoder()
+        self._protocol_error = None
         hello = self._await_hello()
         if hello is None:
-            self._drop_connection("no HELLO from the collector (connection limit, peer refused, shutting down, "
-                                  "or a collector older than protocol 2)")
+            if self._protocol_error is not None:
+                self._drop_connection("protocol_error", self._protocol_error)
+            else:
+                self._drop_connection("no_hello", "no HELLO from the collector (connection limit, peer refused, "
+                                      "shutting down, or a collector older than protocol 2)")
             return False
         if not self._hello_seen:
             # A new process adopting an existing stream id (a restarted forwarder) continues its numbering.
@@ -462,10 +605,7 @@ class UnixArrowSink(Sink):
         self._confirm_upto(hello)
         self._sent_upto = 0
         self.connects += 1
-        if self._warned:
-            log.warning("kvfabric: collector socket %s reachable again; resending %d unacknowledged batches",
-                        self.path, len(self._unacked))
-            self._warned = False
+        self.failure_log.recovered()  # the collector answered (the backoff waits for a confirmed batch)
         return True
 
     def _await_hello(self) -> int | None:
@@ -480,19 +620,18 @@ class UnixArrowSink(Sink):
             if time.monotonic() >= deadline:
                 return None
 
-    def _failed_attempt(self, why: str, level: int = logging.WARNING) -> None:
-        self._next_attempt = time.monotonic() + self._backoff
+    def _failed_attempt(self, reason: str, error: str, level: int = logging.WARNING) -> None:
+        """One failed attempt: back off (0.1 s doubling to 5 s), count and maybe log it (FailureLog)."""
+        self._next_attempt = self._clock() + self._backoff
         self._backoff = min(self._backoff * 2, 5.0)
-        if not self._warned:
-            log.log(level, "kvfabric: collector socket %s %s; retrying with backoff", self.path, why)
-            self._warned = True
+        self.failure_log.failed(reason, f"{error}; retrying with backoff", level=level)
 
-    def _drop_connection(self, why: str) -> None:
+    def _drop_connection(self, reason: str, why: str) -> None:
         """The connection is unusable: close it; unacknowledged batches are resent on the next one. The backoff
         keeps growing until a batch is confirmed, so a collector that accepts and breaks at once is not hammered."""
         self._close_output()
         self._sent_upto = 0
-        self._failed_attempt(f"connection lost: {why}")
+        self._failed_attempt(reason, f"connection lost: {why}")
 
     # ---- acknowledgements ------------------------------------------------------------------------------------
 
@@ -514,7 +653,7 @@ class UnixArrowSink(Sink):
         try:
             return self._decoder.feed(data)
         except P.ProtocolError as exc:
-            log.error("kvfabric: collector socket %s: %s", self.path, exc)
+            self._protocol_error = str(exc)  # the caller drops the connection, naming this as the reason
             return None
 
     def _read_acks(self, timeout: float) -> None:
@@ -522,8 +661,10 @@ class UnixArrowSink(Sink):
         if frames is None:
             if self._sock is None:
                 return
-            if self._unacked:
-                self._drop_connection("the collector closed the connection")
+            if self._protocol_error is not None:
+                self._drop_connection("protocol_error", self._protocol_error)
+            elif self._unacked:
+                self._drop_connection("connection_lost", "the collector closed the connection")
             else:  # e.g. closed while idle, or to make room: nothing is pending, reconnect when there is
                 log.debug("kvfabric: collector closed an idle connection on %s", self.path)
                 self._close_output()
@@ -537,6 +678,7 @@ class UnixArrowSink(Sink):
                 progressed |= self._refused(value)
         if progressed:
             self._backoff = 0.1  # only a confirmed batch proves the collector works
+            self.failure_log.recovered()
             if self.on_progress is not None:
                 self.on_progress()
 
@@ -560,8 +702,8 @@ class UnixArrowSink(Sink):
                 self.reported_lost -= e.reported  # its sink_dropped row was not stored: report those again
                 if i < self._sent_upto:
                     self._sent_upto -= 1
-                log.error("kvfabric: the collector refused batch %d (%d events, counted by the collector); see its "
-                          "log", seq, e.events)
+                self.failure_log.failed("refused_batch", f"the collector refused batch {seq} ({e.events} events, "
+                                        "counted by the collector; see its log)", level=logging.ERROR)
                 return True
         return False
 
@@ -582,32 +724,73 @@ class UnixArrowSink(Sink):
 
 
 class JsonlSink(Sink):
-    """One JSON object per event, appended to a file; the first line of each stream is its metadata."""
+    """One JSON object per event, appended to a file; the first line of each stream is its metadata.
+
+    There is no collector here, so the file is where loss is reported. A file that cannot be opened or written
+    (a bad path, no permission, a full disk) is retried at every flush while rows wait in the bounded buffer, as for
+    a collector that is away; the failure is logged once, then summarised (:class:`FailureLog`). A write that
+    stopped part way (a full disk) resumes where it stopped, so no line is written twice or cut. Events dropped
+    meanwhile (the buffer full, or the ring in vLLM's process) are counted, and the count is written as a
+    ``sink_dropped`` row as soon as writing works again.
+    """
 
     name = "jsonl"
 
     def __init__(self, path: str, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.path = path
-        self._file: IO[str] | None = None
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._file: IO[bytes] | None = None
+        # Bytes not yet written, in order: the stream's first line, then the rest of a batch a failure interrupted.
+        self._pending = bytearray(json.dumps({"kvfabric_stream": self.metadata}).encode() + b"\n")
+        self._pending_seq: int | None = None  # the batch whose unwritten rest is in _pending
 
     def _ready(self, final: bool) -> bool:
         if self._file is None:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
-            self._file.write(json.dumps({"kvfabric_stream": self.metadata}) + "\n")
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                self._file = open(self.path, "ab", buffering=0)  # kept open for the stream
+            except OSError as exc:
+                self.failure_log.failed(os_reason(exc), f"cannot open: {exc}")
+                return False
         return True
 
     def _write(self, rows: list[tuple], seq: int) -> None:
+        if self._pending_seq != seq:  # not a retry of the batch whose rest is pending: encode it
+            names = S.EMIT_COLUMNS
+            dumps = json.dumps
+            self._pending += "".join(
+                dumps({"seq": seq, **dict(zip(names, row, strict=True))}) + "\n" for row in rows
+            ).encode()
+            self._pending_seq = seq
+        self._write_pending()
+        self._pending_seq = None
+
+    def _write_pending(self) -> None:
+        """Write ``_pending`` out; on ``OSError`` keep what was not written, and raise."""
         assert self._file is not None
-        names = S.EMIT_COLUMNS
-        dumps = json.dumps
-        self._file.write(
-            "".join(dumps({"seq": seq, **dict(zip(names, row, strict=True))}) + "\n" for row in rows)
-        )
-        self._file.flush()
+        done = 0
+        try:
+            while done < len(self._pending):
+                with memoryview(self._pending) as view, view[done:] as rest:  # released even if a traceback holds it
+                    done += self._file.write(rest) or 0
+        finally:
+            del self._pending[:done]
+
+    def _abandon(self) -> None:
+        super()._abandon()
+        if self._pending_seq is not None:  # the interrupted batch is counted lost: do not write its rest
+            self._pending.clear()
+            self._pending_seq = None
 
     def _close_output(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                if self._pending and self._pending_seq is None:
+                    self._write_pending()  # the first line of a stream that had no events
+            except OSError:
+                pass
+            try:
+                self._file.close()
+            except OSError:
+                pass
             self._file = None
