@@ -279,6 +279,13 @@ def test_query_pages_with_cursor(golden_db: str, capsys: pytest.CaptureFixture[s
     assert rc == 2 and "is not a cursor returned by this API" in _one_line(err)
 
 
+def test_query_says_when_it_cut_the_answer(golden_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _cli(capsys, "query", "families", "--db", golden_db, "--limit", "1")
+    assert rc == 0 and _one_line(err) == "kvfabric query: showing the first 1 rows; --limit N shows up to 10,000"
+    rc, _, err = _cli(capsys, "query", "families", "--db", golden_db)  # 3 families, under the default 100
+    assert rc == 0 and err == ""
+
+
 def test_query_rounds_numbers_for_people_and_json_keeps_them(golden_db: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = _cli(capsys, "query", "run_summary", "--db", golden_db, "--run", "runA")

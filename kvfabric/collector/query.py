@@ -6,10 +6,11 @@ import argparse
 import inspect
 import json
 import math
+import sys
 from typing import Any
 
 from kvfabric.argtypes import int_range, positive_float
-from kvfabric.queries import QueryRunner
+from kvfabric.queries import MAX_LIMIT, QueryRunner
 from kvfabric.usage import UsageError
 
 
@@ -43,7 +44,7 @@ def _block_hash(text: str) -> str:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """``kvfabric query NAME --db PATH [--run R] ...``."""
-    from kvfabric.queries import MAX_LIMIT, QUERY_NAMES
+    from kvfabric.queries import QUERY_NAMES
 
     parser.epilog = "what each query needs:\n" + "\n".join(f"  {n:<19} {usage_of(n)}" for n in QUERY_NAMES)
     parser.add_argument("name", choices=QUERY_NAMES, metavar="NAME", help="one of: " + ", ".join(QUERY_NAMES))
@@ -207,4 +208,17 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, default=str))
     else:
         _print_table(result)
+    limit = row_limit(args.name, params)
+    rows = result.get("events") if isinstance(result, dict) else result  # block_history: its events
+    if limit is not None and isinstance(rows, list) and len(rows) >= limit:
+        print(f"kvfabric query: showing the first {limit:,} rows; --limit N shows up to {MAX_LIMIT:,}",
+              file=sys.stderr)
     return 0
+
+
+def row_limit(name: str, params: dict[str, Any]) -> int | None:
+    """The number of rows query ``name`` answers at most with ``params`` (None: it is not cut)."""
+    for p in _signature(name):
+        if p.name in ("limit", "n") and name != "evictions":  # evictions pages: it says how to get the next
+            return int(params.get(p.name, p.default))
+    return None
