@@ -95,8 +95,9 @@ def ordering_for(requested: str | None = None) -> str:
         raise RingUnavailable("the ring's compiled part (kvfabric/hook/_ring.c) is not built")
     if ordering == "python" and not TSO:
         raise RingUnavailable(
-            f"the ring's compiled part (kvfabric/hook/_ring.c) is not built, and on {platform.machine()} (not "
-            "x86-64) plain stores may be seen out of order: reinstall KVFabric with a C compiler")
+            f"the ring's Python ordering is not correct on {platform.machine()} (not x86-64: plain stores may be "
+            "seen out of order) and its compiled part (kvfabric/hook/_ring.c) is needed: reinstall KVFabric with a "
+            "C compiler")
     if ordering not in ORDERINGS:
         raise ValueError(f"ordering {ordering!r} is not one of {ORDERINGS}")
     return ordering
