@@ -3,7 +3,8 @@
 A real collector process (Unix socket ingest, DuckDB file, REST) is started; vLLM's real Scheduler runs a
 built-in workload with memory pressure through a simulated model, with the KVFabric plugin loaded through vLLM's
 own ``vllm.general_plugins`` mechanism; the hook streams events to the collector; the report is read back over
-REST, the events are exported to Parquet and counted back with DuckDB.
+REST, the events are exported to Parquet and counted back with DuckDB. With ``--serve`` the same collector keeps
+serving afterwards (its ``/metrics`` counters are the ones ingest advanced), on the port printed at the start.
 """
 
 from __future__ import annotations
@@ -25,37 +26,77 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvfabric.argtypes import int_range, port
 from kvfabric.collector import CollectorConfig, CollectorProcess
 from kvfabric.config import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
 from kvfabric.policies import POLICY_NAMES
+from kvfabric.usage import UsageError
+
+#: The largest KV pool the demo takes (blocks of 16 tokens; the default 640 is what makes the pressure).
+MAX_NUM_BLOCKS = 262_144
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file to write (default: ./kvfabric.duckdb)")
     parser.add_argument("--policy", default="lru", choices=POLICY_NAMES, help="eviction policy (default: lru)")
-    parser.add_argument("--serve", action="store_true", help="keep the collector's REST API up after the report")
-    parser.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT,
-                        help=f"HTTP port of the collector (default {DEFAULT_HTTP_PORT}; a free one if taken)")
+    parser.add_argument("--serve", action="store_true",
+                        help="keep the collector that ingested the run serving its REST API, /docs and /metrics "
+                             "after the report, on the same port (Ctrl-C stops it)")
+    parser.add_argument("--port", type=port, default=None,
+                        help=f"HTTP port of the collector (default: {DEFAULT_HTTP_PORT}, or a free one if another "
+                             f"program listens there; a port given here must be free; 0: any free one)")
     parser.add_argument("--parquet", default="kvfabric-parquet", help="Parquet export directory")
     parser.add_argument("--run-id", default=None, help="run label (default: demo-<policy>-<time>)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (same seed, same run)")
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks of 16 tokens")
+    parser.add_argument("--num-blocks", type=int_range(1, MAX_NUM_BLOCKS), default=None,
+                        help="KV pool size in blocks of 16 tokens (default: 640, which puts the workload under "
+                             "memory pressure; at least what its longest request needs, which the error names)")
     parser.add_argument("--json", action="store_true", help="print the run summary as JSON at the end")
 
 
 # ---- small helpers ---------------------------------------------------------------------------------------------
 
 
-def free_port(preferred: int) -> int:
-    """``preferred`` if it can be bound on loopback, else (or for 0) a free ephemeral port."""
-    for port in (preferred, 0):
-        with socket.socket() as s:
-            try:
-                s.bind((DEFAULT_HTTP_HOST, port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise RuntimeError("no free TCP port on loopback")
+def _can_bind(port_number: int) -> int | None:
+    """The port bound on loopback as the collector binds it (``SO_REUSEADDR``: a port in TIME-WAIT after an earlier
+    run is free), or None if another socket holds it. Port 0 gives a free ephemeral port."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((DEFAULT_HTTP_HOST, port_number))
+        except OSError:
+            return None
+        return int(s.getsockname()[1])
+
+
+def choose_port(requested: int | None) -> tuple[int, str | None]:
+    """The collector's port and, when it is not the one asked for, a note saying why.
+
+    ``requested`` None: :data:`DEFAULT_HTTP_PORT`, or a free port if another program listens there. A port the user
+    asked for is used or refused (:class:`UsageError` naming the address), never swapped silently.
+    """
+    if requested is not None:
+        bound = _can_bind(requested)
+        if bound is None:
+            raise UsageError(f"--port {requested}: {DEFAULT_HTTP_HOST}:{requested} is in use (another collector or "
+                             f"demo?); pick another port, or 0 for any free one")
+        return bound, None
+    bound = _can_bind(DEFAULT_HTTP_PORT)
+    if bound is not None:
+        return bound, None
+    fallback = _can_bind(0)
+    if fallback is None:
+        raise UsageError(f"no free TCP port on {DEFAULT_HTTP_HOST}")
+    return fallback, f"port {DEFAULT_HTTP_PORT} is in use (another collector?): this demo's collector uses {fallback}"
+
+
+def check_num_blocks(num_blocks: int, items: list[Any], block_size: int = 16) -> None:
+    """Raise :class:`UsageError` unless every request of ``items`` fits a pool of ``num_blocks`` (vLLM keeps one
+    block as its null block)."""
+    longest = max(-(-(len(prompt) + max_tokens) // block_size) for _, _, prompt, max_tokens, _ in items)
+    if num_blocks < longest + 1:
+        raise UsageError(f"--num-blocks {num_blocks}: the demo's longest request needs {longest} blocks of "
+                         f"{block_size} tokens, plus vLLM's null block: give at least {longest + 1} (default 640)")
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
@@ -102,8 +143,9 @@ def _env(**values: str) -> Iterator[None]:
 # ---- the run ---------------------------------------------------------------------------------------------------
 
 
-def run_workload(sock: str, run_id: str, policy: str, seed: int, num_blocks: int | None) -> dict[str, Any]:
-    """Run the demo workload through vLLM's real scheduler with the plugin streaming to ``sock``."""
+def run_workload(sock: str, run_id: str, policy: str, items: list[Any], blocks: int) -> dict[str, Any]:
+    """Run ``items`` (the demo workload) through vLLM's real scheduler on a pool of ``blocks`` blocks, with the
+    plugin streaming to ``sock``."""
     from tqdm import tqdm
 
     with _env(KVFABRIC_LIFECYCLE="1", KVFABRIC_SINK=f"unix://{sock}", KVFABRIC_RUN_ID=run_id,
@@ -113,9 +155,6 @@ def run_workload(sock: str, run_id: str, policy: str, seed: int, num_blocks: int
         t0 = time.monotonic()
         # torch and vLLM print harmless CPU-only warnings at import (no CUDA runtime, no vllm._C): keep the
         # report readable; real errors still surface.
-        from kvfabric.sim.workload import DEMO_NUM_BLOCKS, demo_workload
-
-        blocks = num_blocks or DEMO_NUM_BLOCKS
         with _quiet_stderr() as noise:
             from kvfabric.sim.harness import SimulatedEngine
 
@@ -127,11 +166,11 @@ def run_workload(sock: str, run_id: str, policy: str, seed: int, num_blocks: int
         if installation is None:
             raise RuntimeError("the kvfabric plugin did not install itself into vLLM's scheduler "
                                "(is the package installed, so that its vllm.general_plugins entry point exists?)")
-        items = demo_workload(seed)
         engine.add_workload(items)
         _say(f"  vLLM ready in {time.monotonic() - t0:.1f} s; workload: {len(items)} requests on "
              f"{blocks} blocks x {engine.block_size} tokens")
-        with tqdm(total=len(items), unit="req", desc="  requests", leave=True, file=sys.stdout) as bar:
+        # The progress bar is for a person watching: stderr, so stdout stays the report (and --json parses).
+        with tqdm(total=len(items), unit="req", desc="  requests", leave=True, file=sys.stderr) as bar:
             done = 0
 
             def progress(_: Any) -> None:
@@ -228,22 +267,64 @@ def _stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, interrupt)
 
 
+def snapshot_database(db: str, into: str, attempts: int = 40) -> str:
+    """A consistent copy of ``db`` (and its WAL) in directory ``into``, taken while a collector holds the file but
+    writes nothing; returns the copy's path.
+
+    DuckDB lets one process open a file, so the export cannot read the live database; the copy, opened read-only,
+    replays the WAL in memory. Consistent because nothing is being written (the demo's run is fully ingested and
+    its socket is private); to be sure, a copy is kept only if neither file changed while it was taken.
+    """
+    copy = os.path.join(into, "snapshot.duckdb")
+    sources = (db, f"{db}.wal")
+
+    def state() -> tuple[tuple[int, int] | None, ...]:
+        out = []
+        for path in sources:
+            try:
+                st = os.stat(path)
+                out.append((st.st_size, st.st_mtime_ns))
+            except FileNotFoundError:
+                out.append(None)
+        return tuple(out)
+
+    for _ in range(attempts):
+        before = state()
+        for path, target in zip(sources, (copy, f"{copy}.wal"), strict=True):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(target)
+            with contextlib.suppress(FileNotFoundError):  # the WAL may be checkpointed away meanwhile
+                shutil.copyfile(path, target)
+        if state() == before:
+            return copy
+        time.sleep(0.25)
+    raise RuntimeError(f"{db} kept changing while it was copied for the Parquet export")
+
+
 def run(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
+    from kvfabric.sim.workload import DEMO_NUM_BLOCKS, demo_workload
+
+    items = demo_workload(args.seed)
+    blocks = DEMO_NUM_BLOCKS if args.num_blocks is None else args.num_blocks
+    check_num_blocks(blocks, items)  # before anything starts: a bad value leaves nothing behind
+    port_number, port_note = choose_port(args.port)
     db = os.path.abspath(args.db)
     run_id = args.run_id or f"demo-{args.policy}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     workdir = tempfile.mkdtemp(prefix="kvfabric-demo-")
     sock = os.path.join(workdir, "kvfabric.sock")
-    port = free_port(args.port)
     log_path = os.path.join(workdir, "collector.log")
-    collector = CollectorProcess(CollectorConfig(db_path=db, socket_path=sock, port=port), log_path=log_path,
-                                 ready_timeout=60.0)
+    collector: CollectorProcess | None = None
     _say("KVFabric demo: vLLM's real scheduler on CPU with a simulated model; the hook streams to a real collector")
-    _say(f"  collector: db {db}, socket {sock}, {collector.http_url}")
     t_start = time.monotonic()
     try:
+        collector = CollectorProcess(CollectorConfig(db_path=db, socket_path=sock, port=port_number),
+                                     log_path=log_path, ready_timeout=60.0)
+        if port_note:
+            _say(f"  {port_note}")
+        _say(f"  collector: db {db}, socket {sock}, {collector.http_url}")
         collector.start()
-        stats = run_workload(sock, run_id, args.policy, args.seed, args.num_blocks)
+        stats = run_workload(sock, run_id, args.policy, items, blocks)
         stored = wait_ingested(collector.http_url, run_id, stats["rows_sent"])
         _say(f"  events: {stats['events_emitted']:,} emitted, {stats['rows_sent']:,} sent, "
              f"{stats['events_lost']:,} lost; {stored:,} rows stored in DuckDB")
@@ -251,8 +332,14 @@ def run(args: argparse.Namespace) -> int:
         fams = get_json(f"{collector.http_url}/api/v1/families?run={run_id}")
         families = fams["items"] if isinstance(fams, dict) else fams
         print_report(summary, families, args.policy)
-        collector.stop()  # DuckDB has one writer: the export reads the file once the collector has flushed it
-        counts = export_and_count(db, os.path.abspath(args.parquet), run_id)
+        if args.serve:
+            # The collector that ingested keeps serving (its /metrics counters were advanced by this run's ingest):
+            # the export reads a copy, since DuckDB lets one process open the file.
+            source = snapshot_database(db, workdir)
+        else:
+            collector.stop()  # DuckDB has one writer: the export reads the file once the collector has flushed it
+            source = db
+        counts = export_and_count(source, os.path.abspath(args.parquet), run_id)
         _say("")
         _say(f"Parquet: {sum(counts.values()):,} events of this run read back from {os.path.abspath(args.parquet)} "
              f"({len(counts)} event types)")
@@ -264,14 +351,15 @@ def run(args: argparse.Namespace) -> int:
             _say(json.dumps({"summary": summary, "parquet_counts": counts, "stats": stats}, default=str))
         _say(f"Done in {time.monotonic() - t_start:.0f} s.")
         if args.serve:
-            collector.start()
             _say(f"API: {collector.http_url}/api/v1/runs/{run_id}/summary   docs: {collector.http_url}/docs   "
                  f"metrics: {collector.http_url}/metrics   (Ctrl-C to stop)")
             assert collector.proc is not None
-            collector.proc.wait()
-        else:
-            _say(f"API: run `kvfabric demo --serve` or `kvfabric collector --db {db}` and open "
-                 f"http://{DEFAULT_HTTP_HOST}:{DEFAULT_HTTP_PORT}/api/v1/runs/{run_id}/summary")
+            code = collector.proc.wait()
+            print(f"kvfabric demo: the collector stopped by itself (exit code {code}); log: {log_path}",
+                  file=sys.stderr)
+            return 1
+        _say(f"API: run `kvfabric demo --serve` or `kvfabric collector --db {db}` and open "
+             f"http://{DEFAULT_HTTP_HOST}:{DEFAULT_HTTP_PORT}/api/v1/runs/{run_id}/summary")
         return 0
     except KeyboardInterrupt:
         return 130
@@ -282,6 +370,6 @@ def run(args: argparse.Namespace) -> int:
             print("collector log (last lines):\n  " + "\n  ".join(tail), file=sys.stderr)
         return 1
     finally:
-        if collector.proc is not None:
+        if collector is not None and collector.proc is not None:
             collector.stop()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -106,8 +106,8 @@ def test_bad_parameters_and_scenarios_are_refused_with_a_reason() -> None:
         scenario_from_dict({"traffic": [{"mode": "pressure"}], "sever": {}})
 
 
-def test_bundled_scenarios_load_and_state_their_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)  # trace scenarios name their trace relative to the repository root
+def test_bundled_scenarios_load_and_state_their_capacity(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)  # no file outside the package: trace scenarios use the slices it ships
     names = bundled_scenarios()
     for required in ("ordinary_unique_cold", "template_family_revisit", "template_family_revisit_cycles",
                      "cache_pressure_ambiguous_hot_revisit", "trace_conversation", "trace_synthetic"):
@@ -116,6 +116,14 @@ def test_bundled_scenarios_load_and_state_their_capacity(monkeypatch: pytest.Mon
         sc = load_scenario(name)
         assert sc.description and sc.shows and sc.server.capacity, name
         assert sc.server.kv_blocks * sc.server.block_size >= sc.server.max_model_len, name
+        for t in sc.traffic:
+            if t.mode == "dataset":  # the bundled slice holds every row the scenario replays
+                path = Path(t.params["path"])
+                assert path.is_file() and path.parent.name == "traces", name
+                assert len(path.read_text().splitlines()) >= t.params["limit"], name
+    # A trace that is not there: the error names the bundled slices and where the full traces are.
+    with pytest.raises(ScenarioError, match=r"bundled trace slices: mooncake_conversation_first400\.jsonl.*Mooncake"):
+        scenario_from_dict({"traffic": [{"mode": "dataset", "params": {"path": "conversation_trace.jsonl"}}]})
 
 
 # ------------------------------------------------------------------------------------------------ against a server

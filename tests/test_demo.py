@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,6 +76,25 @@ def test_demo_report_rest_parquet_and_engine_agree(tmp_path: Path, stop: signal.
                                "ref_count_changed", "block_freed", "block_evicted", "block_rebuilt"}
         parquet = tmp_path / "kvfabric-parquet" / "events"
         assert any(p.name == "run_id=demo-test" for p in parquet.iterdir())
+
+        # The collector serving now is the one that ingested: /metrics has this run's analytics counters, equal to
+        # the report's numbers (a restarted collector would have none).
+        metrics = _samples(httpx.get(f"{api}/metrics", timeout=10).text, run="demo-test")
+        assert metrics["kvfabric_events_total"] == stats["rows_sent"]
+        assert metrics["kvfabric_prompt_tokens_total"] == summary["prompt_tokens"]
+        assert metrics["kvfabric_prefix_hit_tokens_total"] == summary["prefix_hit_tokens"]
+        assert metrics["kvfabric_evicted_blocks_total"] == summary["evicted_blocks"]
+        assert metrics["kvfabric_rebuilt_blocks_total"] == summary["rebuilt_from_eviction_blocks"]
+        assert metrics["kvfabric_wasted_prefill_tokens_total"] == summary["wasted_prefill_tokens"]
+
+        # /docs works offline: Swagger UI from the package, no URL off this server.
+        docs = httpx.get(f"{api}/docs", timeout=10)
+        assert docs.status_code == 200 and "swagger-ui" in docs.text
+        urls = re.findall(r'(?:src|href)="([^"]+)"|url: \'([^\']+)\'', docs.text)
+        urls = [a or b for a, b in urls]
+        assert urls and not [u for u in urls if "://" in u or u.startswith("//")], urls
+        for u in urls:
+            assert httpx.get(f"{api}{u}", timeout=10).status_code == 200, u
     finally:
         proc.send_signal(stop)  # either way the demo stops its collector (which flushes) before it exits
         try:
@@ -89,3 +111,57 @@ def test_demo_report_rest_parquet_and_engine_agree(tmp_path: Path, stop: signal.
     finally:
         con.close()
     assert rows == counts
+
+
+def _samples(text: str, run: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: sum of its samples labelled ``run``}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("run") == run:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def _demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_")}
+    return subprocess.run([sys.executable, "-m", "kvfabric.cli", "demo", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_bad_values_are_refused_in_one_line_and_leave_nothing(tmp_path: Path) -> None:
+    before = set(Path(tempfile.gettempdir()).glob("kvfabric-demo-*"))
+    for args, words in ((["--port", "99999"], "--port"), (["--num-blocks", "0"], "--num-blocks"),
+                        (["--num-blocks", "50"], "needs 95 blocks")):
+        proc = _demo(tmp_path, *args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.startswith("kvfabric demo: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert words in proc.stderr and proc.stdout == ""
+    # A port asked for that another program listens on: refused, named (the default port would move instead).
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _demo(tmp_path, "--port", str(port))
+    assert proc.returncode == 2 and f"127.0.0.1:{port} is in use" in proc.stderr
+    assert set(Path(tempfile.gettempdir()).glob("kvfabric-demo-*")) == before
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_port_in_time_wait_is_free() -> None:
+    from kvfabric.demo import choose_port
+
+    # A port whose last connection was closed by the server side sits in TIME-WAIT: the collector (SO_REUSEADDR)
+    # can listen there again, so the demo keeps it rather than moving to a random port.
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server side closes first: its end goes to TIME-WAIT
+        client.close()
+    assert choose_port(port) == (port, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -216,9 +217,83 @@ def test_the_hook_streams_the_servers_events_to_the_collector(served: dict[str, 
     assert _vllm_counter(url, "vllm:prefix_cache_hits_total") - vllm_before[1] == 64
 
 
+def test_first_contact_text_chat_and_docs_work_by_default(served: dict[str, Any]) -> None:
+    """What a person tries first against a default sim-serve: a clean start, a typed text prompt, a chat, /docs."""
+    url = served["url"]
+    log = Path(served["server"].log_path).read_text(errors="replace")
+    assert "Traceback" not in log and "warmup failed" not in log and "regex pattern" not in log
+    # Any text is accepted (byte fallback), and the benchmark's pseudo-words are one token each.
+    from kvfabric.bench.prompts import word
+
+    r = httpx.post(f"{url}/v1/completions", timeout=30, json={
+        "model": "llama-3-8b", "prompt": "Hello, world! Grüße", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].strip(), r.text
+    words = " ".join(word(i) for i in range(4000, 4032))
+    r = httpx.post(f"{url}/v1/completions", timeout=30, json={"model": "llama-3-8b", "prompt": words, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == 32
+    # Chat through the built-in template; the next turn (history + the answer as returned) hits the cache for the
+    # whole first turn's full blocks.
+    messages = [{"role": "system", "content": "You answer in pseudo-words."},
+                {"role": "user", "content": words + " " + words}]
+    r1 = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                    json={"model": "llama-3-8b", "messages": messages, "max_tokens": 8})
+    assert r1.status_code == 200, r1.text
+    answer, used = r1.json()["choices"][0]["message"]["content"], r1.json()["usage"]
+    assert len(answer.split()) == 8
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+    r2 = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                    json={"model": "llama-3-8b", "messages": messages, "max_tokens": 2})
+    cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 16 * ((used["prompt_tokens"] + used["completion_tokens"] - 1) // 16)
+    # /docs: vLLM's offline Swagger UI, its script and style served by this server.
+    docs = httpx.get(f"{url}/docs", timeout=10).text
+    for asset in ("/static/swagger-ui-bundle.js", "/static/swagger-ui.css"):
+        assert f'"{asset}"' in docs and httpx.get(f"{url}{asset}", timeout=10).status_code == 200
+
+
+def test_without_a_tokenizer_chat_and_text_get_a_400_that_says_what_to_send() -> None:
+    import logging
+
+    from fastapi.testclient import TestClient
+    from starlette.responses import JSONResponse
+
+    from kvfabric.sim.serve import TokenIdsOnly, _NoChatWarmupWarning
+
+    async def vllm(scope: Any, receive: Any, send: Any) -> None:  # stands in for vLLM's app: echoes the body
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await JSONResponse({"got": body.decode()})(scope, receive, send)
+
+    client = TestClient(TokenIdsOnly(vllm))
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"}), ("/v1/completions", {"prompt": ["a", "b"]})):
+        r = client.post(path, json={"model": "m", **body})
+        assert r.status_code == 400 and "--tokenizer none" in r.json()["error"]["message"], path
+        assert '{"prompt": [1001, 1002]}' in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": "m", "prompt": [1001, 1002]})
+    assert r.status_code == 200 and r.json()["got"] == '{"model":"m","prompt":[1001,1002]}'
+    # vLLM's chat warmup fails without a tokenizer: expected, so its warning (with a traceback) is not shown.
+    keep = _NoChatWarmupWarning().filter
+    assert not keep(logging.LogRecord("vllm.renderers.base", logging.WARNING, "", 0, "Chat template warmup failed",
+                                      None, None))
+    assert keep(logging.LogRecord("vllm.renderers.base", logging.WARNING, "", 0, "something else", None, None))
+
+
 def test_bad_options_exit_2_with_one_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFABRIC_")}
     proc = subprocess.run([sys.executable, "-m", "kvfabric.cli", "sim-serve", "--kv-blocks", "8"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "cannot hold one request" in proc.stderr
+    with socket.socket() as busy:  # an address in use: named, before vLLM is even imported
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "kvfabric.cli", "sim-serve", "--port", str(port)],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"kvfabric sim-serve: cannot listen on 127.0.0.1:{port}: ")

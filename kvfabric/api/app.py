@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,30 @@ HealthFn = Callable[[bool], dict[str, object]]
 """Called with whether the caller is authenticated; returns the /healthz body (``status`` "ok" means 200)."""
 
 
+#: Swagger UI's files, vendored (kvfabric/api/static/swagger-ui/README.md: origin, version, license).
+DOCS_ASSETS_URL = "/static/swagger-ui"
+
+
+def _install_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI loaded from the package, so it works offline (FastAPI's default loads it from a CDN)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import HTMLResponse
+    from fastapi.staticfiles import StaticFiles
+
+    assets = Path(__file__).with_name("static") / "swagger-ui"
+    app.mount(DOCS_ASSETS_URL, StaticFiles(directory=assets), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - API",
+            swagger_js_url=f"{DOCS_ASSETS_URL}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS_URL}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS_URL}/favicon-32x32.png",
+            swagger_ui_parameters={"validatorUrl": None},  # no badge fetched from validator.swagger.io
+        )
+
+
 def create_app(
     runner: QueryRunner,
     *,
@@ -40,7 +65,10 @@ def create_app(
         title="KVFabric collector",
         version=kvfabric.__version__,
         description="Read-only analytics over vLLM KV-cache block lifecycle events (docs/design.md §5, §7).",
+        docs_url=None,  # served by _install_docs from the package's own Swagger UI files (no CDN)
+        redoc_url=None,
     )
+    _install_docs(app)
     app.state.runner = runner
     app.state.registry = registry
     app.state.health = health

@@ -29,6 +29,9 @@ bundled name or a path)::
     [traffic.params]                  # the mode's parameters
     personas = 8
 
+A ``dataset`` traffic's ``path`` that is a bare file name not found in the current directory names a trace slice
+shipped in ``kvfabric/bench/traces/`` (its README says where each comes from); any other path is read as given.
+
 Bad files raise :class:`ScenarioError` with one line saying what is wrong.
 """
 
@@ -43,8 +46,11 @@ from typing import Any
 from kvfabric.bench.modes import MODES, ModeError, mode_params
 from kvfabric.bench.prompts import FORMATS
 
-__all__ = ["Scenario", "ScenarioError", "ServerSpec", "Traffic", "bundled_scenarios", "load_scenario",
-           "single_mode_scenario"]
+__all__ = ["FULL_TRACES_URL", "Scenario", "ScenarioError", "ServerSpec", "Traffic", "bundled_scenarios",
+           "bundled_traces", "load_scenario", "single_mode_scenario"]
+
+#: Where the full Mooncake traces are (the bundled slices are their first rows).
+FULL_TRACES_URL = "https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces"
 
 
 class ScenarioError(ValueError):
@@ -105,6 +111,24 @@ def bundled_scenarios() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in _scenario_dir().iterdir() if p.name.endswith(".toml"))
 
 
+def _trace_dir() -> Any:
+    return resources.files("kvfabric.bench") / "traces"
+
+
+def bundled_traces() -> list[str]:
+    """File names of the trace slices shipped with the package (``kvfabric/bench/traces/*.jsonl``)."""
+    return sorted(p.name for p in _trace_dir().iterdir() if p.name.endswith(".jsonl"))
+
+
+def _resolve_trace(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with a bare ``path`` that is not a file here but a bundled trace slice made that slice's path."""
+    path = params.get("path")
+    if not isinstance(path, str) or not path or Path(path).is_file() or Path(path).name != path:
+        return params
+    bundled = _trace_dir() / path
+    return {**params, "path": str(bundled)} if bundled.is_file() else params
+
+
 def _int(raw: dict[str, Any], key: str, where: str, default: int | None, minimum: int = 1) -> int | None:
     v = raw.get(key, default)
     if v is None:
@@ -134,10 +158,16 @@ def _traffic(raw: dict[str, Any], index: int, where: str) -> Traffic:
     params = raw.get("params") or {}
     if not isinstance(params, dict):
         raise ScenarioError(f"{where}: traffic {index}: params must be a table")
+    if mode == "dataset":
+        params = _resolve_trace(params)
     try:
         mode_params(mode, params)
     except ModeError as exc:
-        raise ScenarioError(f"{where}: traffic {index}: {exc}") from None
+        hint = ""
+        if mode == "dataset" and params.get("path") and not Path(str(params["path"])).is_file():
+            hint = (f" (bundled trace slices: {', '.join(bundled_traces())}; the full Mooncake traces: "
+                    f"{FULL_TRACES_URL})")
+        raise ScenarioError(f"{where}: traffic {index}: {exc}{hint}") from None
     rate = _float(raw, "rate", where, None)
     t = Traffic(
         name=str(raw.get("name") or f"{mode}-{index}"),

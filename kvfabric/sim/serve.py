@@ -7,20 +7,29 @@ spends the time the H200 calibration of :mod:`kvfabric.sim.latency` gives for th
 is loaded as users load it: vLLM finds the ``vllm.general_plugins`` entry point and the plugin reads the
 ``KVFABRIC_*`` variables this command sets from its options. What vLLM needed for this: docs/design.md §8.
 
-The model is a ``config.json`` only (``--load-format dummy``, ``--skip-tokenizer-init``): prompts are token ids on
-``/v1/completions``. Exit status 2 with one line for bad options; otherwise vLLM's own.
+The model is a ``config.json`` (``--load-format dummy``) with, by default, the built-in tokenizer and chat template of
+:mod:`kvfabric.sim.tokenizer` beside it: token-id prompts, text prompts and ``/v1/chat/completions`` all work.
+``--tokenizer none`` runs as the GPU measurements did (``--skip-tokenizer-init``): token-id prompts on
+``/v1/completions`` only, and a chat or text request gets a 400 that says so (:class:`TokenIdsOnly`). ``/docs``
+is vLLM's offline Swagger UI (``--enable-offline-docs``: assets vendored in vLLM). Exit status 2 with one line for
+bad options (an address in use among them); otherwise vLLM's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
+from kvfabric.argtypes import int_range, nonneg_float, port, positive_int
 from kvfabric.config import DEFAULT_HTTP_HOST
+from kvfabric.usage import UsageError
 
-__all__ = ["DEFAULT_MODEL", "LATENCY_BY_MODEL", "build_vllm_argv", "configure", "run", "sim_env"]
+__all__ = ["DEFAULT_MODEL", "LATENCY_BY_MODEL", "TokenIdsOnly", "build_vllm_argv", "configure", "run", "sim_env"]
 
 DEFAULT_MODEL = "llama-3-8b"
 #: Latency model (kvfabric/sim/latency.py) measured for each bundled shape; other shapes default to ``llama``.
@@ -29,14 +38,18 @@ EXECUTOR = "kvfabric.sim.executor.SimulatedExecutor"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
         "examples:\n"
         "  kvfabric sim-serve --kv-blocks 2048 --port 8000\n"
         "  kvfabric sim-serve --policy adaptive_aging --collector-socket /tmp/kvfabric.sock --run-id arm-b\n"
         "  kvfabric sim-serve --latency-scale 0 -- --max-num-seqs 32      # after --: more vllm serve options\n"
-        "then: curl localhost:8000/v1/completions -d '{\"model\": \"llama-3-8b\", \"prompt\": [1001, 1002], "
-        "\"max_tokens\": 4}'"
+        "then:\n"
+        "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+        "    -d '{\"model\": \"llama-3-8b\", \"prompt\": [1001, 1002], \"max_tokens\": 4}'\n"
+        "  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        "    -d '{\"model\": \"llama-3-8b\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
+        "\"max_tokens\": 4}'\n"
+        "  (the simulated model answers with pseudo-words: fixed for a given prompt, never EOS)"
     )
     from kvfabric.policies import POLICY_NAMES
 
@@ -44,10 +57,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"model shape: a bundled name (llama-3-8b, qwen2-0.5b), a config.json file or a "
                              f"directory holding one (default {DEFAULT_MODEL})")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: --model's name)")
-    parser.add_argument("--kv-blocks", type=int, default=4096,
+    parser.add_argument("--kv-blocks", type=int_range(2), default=4096,
                         help="KV cache size in blocks (vLLM's --num-gpu-blocks-override; default 4096)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    parser.add_argument("--max-model-len", type=int, default=8192,
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    parser.add_argument("--max-model-len", type=positive_int, default=8192,
                         help="longest prompt + output in tokens (default 8192; needs (kv-blocks - 1) x block-size "
                              ">= it)")
     parser.add_argument("--policy", choices=POLICY_NAMES, default=None,
@@ -57,13 +70,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "KVFABRIC_SINK=unix://PATH); without it the environment decides")
     parser.add_argument("--run-id", default=None, help="KVFABRIC_RUN_ID: the label on every event of this server")
     parser.add_argument("--host", default=DEFAULT_HTTP_HOST, help=f"HTTP host (default {DEFAULT_HTTP_HOST})")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--port", type=port, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--latency", default=None,
                         help="latency model: llama, qwen, qwen-fit, zero (default: the one measured for the shape)")
-    parser.add_argument("--tokenizer", choices=("none", "words"), default="none",
-                        help="none: token-id prompts only (--skip-tokenizer-init, as the GPU runs); words: a "
-                             "word-level tokenizer of the benchmark's pseudo-words, for text prompts")
-    parser.add_argument("--latency-scale", type=float, default=1.0,
+    parser.add_argument("--tokenizer", choices=("words", "none"), default="words",
+                        help="words: the built-in tokenizer and chat template (token-id, text and chat prompts; "
+                             "the benchmark's pseudo-words are one token each); none: token-id prompts on "
+                             "/v1/completions only (--skip-tokenizer-init, as the GPU runs) (default: words)")
+    parser.add_argument("--latency-scale", type=nonneg_float, default=1.0,
                         help="multiply every modelled step time (default 1.0 = H200 time; 0 = infinitely fast)")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
                         help="after --: further `vllm serve` options, passed through unchanged")
@@ -86,9 +100,11 @@ def build_vllm_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
         "--served-model-name", args.served_model_name or _model_name(args.model),
         "--distributed-executor-backend", EXECUTOR,
         "--load-format", "dummy",
-        *(["--skip-tokenizer-init"] if getattr(args, "tokenizer", "none") == "none" else []),
+        *(["--skip-tokenizer-init"] if getattr(args, "tokenizer", "words") == "none" else []),
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
+        "--enable-offline-docs",  # /docs from vLLM's vendored Swagger UI files, not a CDN
+        *(["--middleware", f"{__name__}.TokenIdsOnly"] if getattr(args, "tokenizer", "words") == "none" else []),
         "--num-gpu-blocks-override", str(args.kv_blocks),
         "--block-size", str(args.block_size),
         "--max-model-len", str(args.max_model_len),
@@ -119,19 +135,88 @@ def sim_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _with_word_tokenizer(model_dir: str) -> str:
-    """A private copy of ``model_dir``'s config.json with the word tokenizer beside it (never writes to the user's
-    directory); removed at exit."""
+    """A private copy of ``model_dir``'s config.json with the built-in tokenizer beside it (never writes to the
+    user's directory); removed at exit."""
     import atexit
+    import json
     import shutil
     import tempfile
 
+    import transformers
+
     from kvfabric.sim.tokenizer import write_word_tokenizer
 
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    # transformers warns about a "Mistral regex" for any local tokenizer whose config.json names no
+    # transformers_version: this one was written here, with the installed version.
+    config.setdefault("transformers_version", transformers.__version__)
     tmp = tempfile.mkdtemp(prefix="kvfabric-sim-words-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    shutil.copy(Path(model_dir) / "config.json", Path(tmp) / "config.json")
-    write_word_tokenizer(tmp)
+    (Path(tmp) / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    write_word_tokenizer(tmp, int(config.get("vocab_size") or 0))
     return tmp
+
+
+class TokenIdsOnly:
+    """ASGI middleware for ``--tokenizer none``: a chat request, or a text prompt on ``/v1/completions``, gets a 400
+    that says what to send (vLLM would answer a chat request with a 500 and an empty message)."""
+
+    MESSAGE = ("this sim-serve runs without a tokenizer (--tokenizer none): send token ids, e.g. "
+               "{\"prompt\": [1001, 1002]} to /v1/completions, or restart it without --tokenizer none for text "
+               "and chat prompts")
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" and scope.get("method") == "POST" else ""
+        if path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+            await self._refuse(send)
+            return
+        if path != "/v1/completions":
+            await self.app(scope, receive, send)
+            return
+        body, messages = b"", []
+        while True:
+            message = await receive()
+            messages.append(message)
+            body += message.get("body", b"")
+            if message.get("type") != "http.request" or not message.get("more_body"):
+                break
+        if _has_text_prompt(body):
+            await self._refuse(send)
+            return
+
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Any) -> None:
+        import json
+
+        body = json.dumps({"error": {"message": self.MESSAGE, "type": "BadRequestError", "param": "prompt",
+                                     "code": 400}}).encode()
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _NoChatWarmupWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "Chat template warmup failed"
+
+
+def _has_text_prompt(body: bytes) -> bool:
+    """Whether a /v1/completions body asks for a text prompt (a string or a list of strings); anything unreadable
+    is left to vLLM."""
+    import json
+
+    try:
+        prompt = json.loads(body).get("prompt")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -153,21 +238,44 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_address(host: str, port_number: int) -> None:
+    """Raise :class:`UsageError` naming ``host:port`` if vLLM could not listen there (in use, or not an address of
+    this machine). Bound as vLLM's server binds it (``SO_REUSEADDR``: a port in TIME-WAIT is free)."""
+    if port_number == 0:
+        return
+    shown = f"[{host}]:{port_number}" if ":" in host else f"{host}:{port_number}"
+    try:
+        infos = socket.getaddrinfo(host or None, port_number, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host!r}: cannot resolve it ({exc.strerror})") from None
+    family, type_, proto, _, addr = infos[0]
+    with socket.socket(family, type_, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {shown}: {exc.strerror or exc} (pick another --port, or stop what "
+                             f"listens there)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem is not None:
-        print(f"kvfabric sim-serve: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(problem)
+    check_address(args.host, args.port)
     from kvfabric.sim.harness import resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(args.model)
         if args.tokenizer == "words":
             model_dir = _with_word_tokenizer(model_dir)
-    except (FileNotFoundError, OSError) as exc:
-        print(f"kvfabric sim-serve: {exc}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        raise UsageError(f"--model {args.model}: {exc}") from None
     os.environ.update(sim_env(args))
+    if args.tokenizer == "none":
+        # vLLM renders a chat once at start and logs the failure (no tokenizer) as a warning with a traceback: the
+        # expected case here, and TokenIdsOnly answers chat requests with a 400 that says why.
+        logging.getLogger("vllm.renderers.base").addFilter(_NoChatWarmupWarning())
     # Fork: the EngineCore inherits the simulated platform and the wrapped Scheduler class, and starts twice as
     # fast as with spawn (docs/design.md §8).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
