@@ -118,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
         return _error(f"--db: {exc}")
     model.training["command"] = "kvfabric learn " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["learn"] else [])
     model.training["wall_s"] = round(time.perf_counter() - t0, 1)
-    model.save(args.out)
+    try:
+        model.save(args.out)
+    except OSError as exc:
+        return _error(f"--out {args.out}: cannot write it ({exc.strerror or exc})")
     val = model.metrics.get("validation", {})
     summary = {
         "out": args.out,
