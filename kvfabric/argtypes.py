@@ -81,11 +81,15 @@ def float_range(low: float | None = None, high: float | None = None, *, low_open
 
 
 def _bounds(low: float | None, high: float | None, low_open: bool = False) -> str:
+    def num(x: float) -> str:
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
     if low is not None and high is not None:
-        return f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
+        return f"{'>' if low_open else '>='} {num(low)} and <= {num(high)}"
     if low is not None:
-        return f"{'>' if low_open else '>='} {low:g}"
-    return f"<= {high:g}"
+        return f"{'>' if low_open else '>='} {num(low)}"
+    assert high is not None
+    return f"<= {num(high)}"
 
 
 positive_int = int_range(1)

@@ -32,6 +32,9 @@ FLAGS: dict[str, str] = {
 }
 
 
+_INT64 = int_range(-(1 << 63), (1 << 63) - 1)  # times go to SQL as BIGINT, as REST checks them
+
+
 def _block_hash(text: str) -> str:
     from kvfabric.queries import BadParameter, parse_block_hash
 
@@ -60,9 +63,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id", dest="request_id", default=None, help="request id (request)")
     parser.add_argument("--bucket-s", dest="bucket_s", type=positive_float, default=None,
                         help="time-window length in seconds (misses; default 60)")
-    parser.add_argument("--since-ns", dest="since_ns", type=int, default=None,
+    parser.add_argument("--since-ns", dest="since_ns", type=_INT64, default=None,
                         help="events at or after this time, ns since the epoch (evictions)")
-    parser.add_argument("--until-ns", dest="until_ns", type=int, default=None,
+    parser.add_argument("--until-ns", dest="until_ns", type=_INT64, default=None,
                         help="events before this time, ns since the epoch (evictions)")
     parser.add_argument("--limit", type=int_range(1, MAX_LIMIT), default=None,
                         help=f"rows per answer, 1..{MAX_LIMIT} (default: the query's own, shown below)")
