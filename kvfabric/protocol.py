@@ -27,6 +27,12 @@ speaks 2 only.
 The collector deduplicates on (stream id, seq): a batch whose ``seq`` is not above the stream's committed
 ``last_seq`` is a resend and is not stored again, unless it fills a gap it left open less than a grace period
 ago (out-of-order arrival between two connections of one stream).
+
+When the handshake happens: the hook's forwarder connects, sends its schema and waits for HELLO as soon as it
+starts (when vLLM builds the scheduler), before any request, and holds the connection while the engine is idle,
+reconnecting whenever it ends. The collector lists the streams it holds (``GET /api/v1/engines``, ``kvfabric
+status``) from their schema metadata: the keys of :mod:`kvfabric.schema`, plus the optional :data:`META_HOST`,
+:data:`META_PID` and :data:`META_KVFABRIC_VERSION` (absent from older hooks: shown as unknown).
 """
 
 from __future__ import annotations
@@ -39,6 +45,14 @@ from dataclasses import dataclass
 META_PROTOCOL = "kvfabric.protocol"
 PROTOCOL_VERSION = 2
 SUPPORTED_PROTOCOLS = (1, 2)
+
+# Optional stream metadata, for the collector's list of engines (not needed to store or analyse events).
+META_HOST = "kvfabric.host"
+"""The engine's host name (an engine id set by ``KVFABRIC_ENGINE_ID`` need not contain it)."""
+META_PID = "kvfabric.pid"
+"""The engine process's pid (the vLLM EngineCore that built the scheduler), decimal."""
+META_KVFABRIC_VERSION = "kvfabric.version"
+"""The hook's KVFabric version (a collector of another version is worth knowing about)."""
 
 MAX_META_VALUE_CHARS = 4096
 """Longest value of one stream metadata key (stream id, engine, run id, ...): the collector refuses a stream with a
@@ -151,3 +165,24 @@ def _controlled_by(directory: str, uid: int) -> bool:
         if parent == os.path.dirname(parent):
             return True
         parent = os.path.dirname(parent)
+
+
+def probe_listener(socket_path: str, timeout_s: float = 1.0) -> str | None:
+    """Why no collector this process may stream to answers on ``socket_path``, or None when one does.
+
+    "Answers" means a listener accepted a connection and passed :func:`untrusted_listener`. The probe sends nothing
+    (the collector counts a connection closed before its first byte as a readiness probe, not an error) and takes
+    one connect, bounded by ``timeout_s``: meant for start-up (the plugin's line in vLLM's log), never for a hot
+    path. It does not prove the collector's ingest works; the forwarder's own HELLO does that, and the collector's
+    list of engines shows it.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(socket_path)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        return untrusted_listener(peer_credentials(sock), socket_path)
+    finally:
+        sock.close()

@@ -148,19 +148,22 @@ def test_unix_sink_delivers_everything_in_numbered_batches(tmp_path: Path) -> No
     server.close()
 
 
-def test_an_idle_sink_holds_no_connection(tmp_path: Path) -> None:
-    """A sink connects when it has something to send, so idle hooks do not occupy the collector's slots."""
+def test_a_sink_says_hello_before_it_has_anything_to_send(tmp_path: Path) -> None:
+    """A sink connects as soon as it starts, with nothing to send (its stream's metadata is how the collector lists
+    an engine before its first request), and keeps that one connection while idle and for its first events."""
     path = str(tmp_path / "i.sock")
     server = StreamServer(path)
     buffer = EventBuffer(capacity=1000, wake_at=10)
     sink = make_sink(path, buffer, batch=10)
     sink.start()
-    time.sleep(0.5)
-    assert server.accepted == 0
+    wait_for(lambda: sink.connects == 1)
+    assert server.streams[0][S.META_ENGINE] == "e" and not server.batches
+    time.sleep(0.3)
+    assert server.accepted == 1
     for i in range(10):
         buffer.append(row(i))
     wait_for(lambda: len(server.rows()) == 10)
-    assert server.accepted == 1
+    assert server.accepted == 1 and sink.connects == 1
     sink.close()
     server.close()
 

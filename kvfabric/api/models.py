@@ -155,3 +155,32 @@ class Health(BaseModel):
     commits: int | None = None
     problem: str | None = None
     detail: str | None = Field(default=None, description="the underlying error (authenticated callers only)")
+
+
+class EngineInfo(BaseModel):
+    """One event stream this collector holds or held: an engine with KVFabric on (kvfabric/ingest/engines.py).
+
+    Listed from the moment the hook's forwarder says who it is, when vLLM builds the scheduler: before any
+    request. Kept in memory (a collector restart forgets ended streams; live hooks reconnect within seconds)."""
+
+    engine: str = Field(description="KVFABRIC_ENGINE_ID, default <host>/dp<rank>")
+    host: str | None = Field(description="the engine's host name (null: a hook older than this field)")
+    pid: int | None = Field(description="the engine process's pid, as the hook declared it")
+    run_id: str
+    policy: str
+    vllm_version: str | None
+    kvfabric_version: str | None = Field(description="the hook's KVFabric version")
+    block_size: int
+    num_blocks: int
+    state: str = Field(description="connected | idle (the collector closed the quiet connection; the engine's "
+                                   "forwarder still runs and reconnects) | disconnected (the engine's side ended)")
+    connected_since_ns: int = Field(description="when this stream first connected")
+    last_seen_ns: int = Field(description="its last connection or batch")
+    ended_ns: int | None = Field(description="when its last connection ended (null while connected)")
+    ended_why: str | None
+    events: int = Field(description="rows received so far (each batch once, resends after a reconnect not "
+                                    "counted again; sink_dropped markers included)")
+    batches: int
+    connections: int = Field(description="connections the stream made (1 + reconnects)")
+    stream_id: str
+    protocol: int

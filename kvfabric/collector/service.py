@@ -72,6 +72,7 @@ class Collector:
         app = create_app(
             runner, registry=self.metrics.registry, health=self.health, token=self.config.resolved_token() or ""
         )  # "" (not None): the config already consulted $KVFABRIC_API_TOKEN; empty means no auth
+        app.state.engines = self.pipeline.engines  # GET /api/v1/engines (kvfabric/api/routers/engines.py)
         sock = _bind_tcp(self.config.host, self.config.port)
         self._http_sock = sock
         host, port = sock.getsockname()[:2]

@@ -6,7 +6,9 @@ into per-block event rows with the side table (:class:`~kvfabric.hook.lifecycle.
 Arrow and streams them to the collector over its Unix socket (or appends JSONL), with reconnects and backoff
 (:mod:`kvfabric.hook.sinks`).
 
-Start-up: ``--ring-fd`` is the ring's memfd, inherited from the parent; ``--metadata`` the stream metadata.
+Start-up: ``--ring-fd`` is the ring's memfd, inherited from the parent; ``--metadata`` the stream metadata. A
+``unix://`` sink connects at once and says who it is (schema metadata, answered by the collector's HELLO) before
+the engine has any request: that is how ``kvfabric status`` lists an engine that is on but idle.
 Shutdown: when the parent sets the ring's closing word (or dies), drain the ring, flush the sink, exit.
 
 Loss stays counted end to end: the parent reports what it could not hand over (a full ring) as ``LOST`` records,
@@ -80,6 +82,10 @@ def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: 
         sink = UnixArrowSink(sink_spec[len("unix://"):], buffer, metadata, dropped_row,
                              batch_events=batch_events, flush_ms=flush_ms)
     publish = publish_accounting(ring, sink)
+    # The sink's first round runs at once, not after a flush interval: it connects and waits for the collector's
+    # HELLO with nothing to send yet, so the collector lists this engine before its first request
+    # (GET /api/v1/engines, kvfabric status); it then holds the connection while the engine idles.
+    buffer.wakeup.set()
     sink.start()
     undecodable = 0
     try:

@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import kvfabric
+from kvfabric import protocol as P
 from kvfabric import schema as S
 from kvfabric.config import HookSettings
 from kvfabric.hook import compiled, forwarding
@@ -455,8 +457,13 @@ def evicted_memory_for(num_blocks: int) -> int:
 def stream_metadata(
     settings: HookSettings, *, engine: str, policy: str, block_size: int, num_blocks: int, null_block: int = 0
 ) -> dict[str, str]:
-    """The metadata every event stream starts with (docs/design.md §4); the one place it is written."""
+    """The metadata every event stream starts with (docs/design.md §4); the one place it is written. Besides the
+    keys of :mod:`kvfabric.schema`, it names this process (host, pid) and KVFabric's version, which the collector
+    shows in its list of engines (kvfabric/protocol.py)."""
     return {
+        P.META_HOST: socket.gethostname(),
+        P.META_PID: str(os.getpid()),
+        P.META_KVFABRIC_VERSION: kvfabric.__version__,
         S.META_SCHEMA_VERSION: str(S.SCHEMA_VERSION),
         S.META_ENGINE: engine,
         S.META_RUN_ID: settings.run_id,

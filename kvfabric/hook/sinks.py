@@ -508,8 +508,9 @@ class UnixArrowSink(Sink):
             self._flush_locked(final)
 
     def _flush_locked(self, final: bool) -> None:
-        if self._sock is None and not (len(self.buffer) or self._unacked or self.lost_events > self.reported_lost):
-            return  # connect only with something to send: an idle hook holds no connection (nor a slot)
+        if final and self._sock is None and not (len(self.buffer) or self._unacked
+                                                 or self.lost_events > self.reported_lost):
+            return  # closing, nothing to send. Otherwise connected even while idle: the collector lists engines
         if not self._ensure_connected(final):
             return
         while True:

@@ -11,6 +11,11 @@ Whatever a peer sends, the outcome is confined to its own connection:
 
 With protocol 2 (kvfabric/protocol.py) the connection sends HELLO as soon as the schema is accepted, and the writer
 acknowledges committed batches through the connection's :class:`~kvfabric.ingest.acks.AckChannel`.
+
+The stream is entered in the collector's list of engines (:class:`~kvfabric.ingest.engines.EngineRegistry`) when
+its schema is accepted, before any batch: the hook connects when vLLM builds its scheduler, so an engine is listed
+before its first request. Each batch queued adds to its count; how the connection ended (by the engine's side, or
+closed by this collector) decides whether it is shown as idle or disconnected.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import pyarrow as pa
 
 from kvfabric import schema as S
 from kvfabric.ingest.acks import AckChannel
+from kvfabric.ingest.engines import EngineRegistry
 from kvfabric.ingest.errors import (
     ACKS_NOT_READ,
     GARBAGE,
@@ -64,6 +70,7 @@ class IngestContext:
     message_timeout_s: float = 30.0
     idle_timeout_s: float = 300.0
     rlog: RateLimitedLog | None = None
+    engines: EngineRegistry | None = None  # the streams this collector holds, for GET /api/v1/engines
 
     def log(self, level: int, key: str, msg: str, *args: object) -> None:
         if self.rlog is None:
@@ -86,6 +93,9 @@ def serve_connection(sock: socket.socket, source: SocketSource, peer: str, ctx: 
     batches = rows = 0
     opened = False
     ack: AckChannel | None = None
+    stream_id = ""
+    # How the connection ended, for the list of engines: whether this collector closed it, and why.
+    by_collector, why = True, "the connection ended"
     try:
         try:
             reader = pa.ipc.open_stream(source)
@@ -123,6 +133,12 @@ def serve_connection(sock: socket.socket, source: SocketSource, peer: str, ctx: 
         ctx.metrics.open_run(meta.run_id, meta.engine, meta.policy, meta.vllm_version, meta.block_size,
                              meta.num_blocks)
         opened = True
+        stream_id = meta.stream_id
+        if ctx.engines is not None:
+            creds = peer_credentials(sock)
+            raw = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
+                   for k, v in (reader.schema.metadata or {}).items()}
+            ctx.engines.opened(meta, raw, creds.pid if creds is not None else 0)
         log.info("%s connected (block_size %d, policy %r, protocol %d)", label, meta.block_size, meta.policy,
                  meta.protocol)
         while True:
@@ -153,8 +169,13 @@ def serve_connection(sock: socket.socket, source: SocketSource, peer: str, ctx: 
             ctx.queue.put(BatchReceived(stream_id=meta.stream_id, batch=normalised, info=info, ack=ack))
             batches += 1
             rows += info.rows
+            if ctx.engines is not None:
+                ctx.engines.received(meta.stream_id, info.seq, info.rows)
+        by_collector, why = False, "the engine ended its stream"
         log.info("%s ended after %d batches, %d rows", label, batches, rows)
     except BadStream as e:
+        # A stream cut off by its peer (its process died mid-message) ended on the engine's side.
+        by_collector, why = not source.eof, f"{e.reason}: {e.message}"
         ctx.metrics.bad_streams.labels(reason=e.reason).inc()
         ctx.log(
             logging.WARNING, f"stream:{e.reason}",
@@ -162,17 +183,21 @@ def serve_connection(sock: socket.socket, source: SocketSource, peer: str, ctx: 
             label, e.reason, e.message, batches, rows,
         )
     except ConnectionClosed as e:
+        why = e.message
         ctx.metrics.connections_closed.labels(reason=e.reason).inc()
         ctx.log(logging.INFO, f"closed:{e.reason}", "%s %s (%d batches, %d rows on it; nothing lost)", label,
                 e.message, batches, rows)
     except ShutdownRequested:
+        why = "the collector stopped"
         log.info("%s closed by collector shutdown after %d batches, %d rows (nothing lost)", label, batches, rows)
     except ShutdownCut:
+        why = "the collector stopped"
         log.warning(
             "%s cut by collector shutdown inside a batch after %d batches: that batch was not received (a "
             "protocol-2 sink resends it to the next collector)", label, batches,
         )
     except QueueClosed:
+        why = "the collector stopped"
         log.warning("%s: collector stopped before a batch could be queued (a protocol-2 sink resends it)", label)
     finally:
         if ack is not None:
@@ -180,6 +205,8 @@ def serve_connection(sock: socket.socket, source: SocketSource, peer: str, ctx: 
         source.release()
         if opened:
             ctx.metrics.open_streams.dec()
+            if ctx.engines is not None:
+                ctx.engines.closed(stream_id, by_collector=by_collector, why=why)
         try:
             sock.close()
         except OSError:

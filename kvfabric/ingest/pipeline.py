@@ -16,6 +16,7 @@ import duckdb
 from kvfabric import protocol as P
 from kvfabric.ingest.budget import ByteBudget
 from kvfabric.ingest.connection import IngestContext
+from kvfabric.ingest.engines import EngineRegistry
 from kvfabric.ingest.metrics import CollectorMetrics
 from kvfabric.ingest.queue import BatchQueue
 from kvfabric.ingest.ratelimit import RateLimitedLog
@@ -63,6 +64,8 @@ class IngestPipeline:
         self.writer: EventWriter | None = None
         self.server: StreamServer | None = None
         self.queue = BatchQueue(settings.queue_max_rows, settings.queue_max_bytes)
+        #: The streams (engines) the socket holds or held, in memory (GET /api/v1/engines, kvfabric status).
+        self.engines = EngineRegistry()
         self._readers_parent: duckdb.DuckDBPyConnection | None = None
         self._readers_lock = threading.Lock()
         self.budget: ByteBudget | None = None
@@ -95,6 +98,7 @@ class IngestPipeline:
             message_timeout_s=s.message_timeout_s,
             idle_timeout_s=s.idle_timeout_s,
             rlog=RateLimitedLog(log, self.metrics.suppressed_log_lines),
+            engines=self.engines,
         )
         self.server = StreamServer(
             s.socket_path, ctx, max_connections=s.max_connections, socket_mode=s.socket_mode, budget=budget,

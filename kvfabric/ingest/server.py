@@ -15,7 +15,9 @@ Connection slots (``max_connections``): a legitimate stream must always get in. 
 connection that has been quiet the longest is closed to make room, at a message boundary so nothing is lost
 (connections still in their handshake first, then streams idle between messages; both only after at least
 :data:`EVICT_MIN_QUIET_S` of silence). Only when every connection is busy is the newcomer closed; a protocol-2
-sink sends nothing before the collector's HELLO, so that costs it nothing but a retry.
+sink sends nothing before the collector's HELLO, so that costs it nothing but a retry. A hook's sink holds its
+connection while its engine idles (so the collector lists the engine, kvfabric/ingest/engines.py): each engine takes
+one slot, and with more engines than slots the idle ones take turns.
 
 Stopping (:meth:`StreamServer.stop`) loses nothing a sink managed to send before it: connections already in the
 listen backlog are still accepted, and every connection reads on until it is idle at a message boundary (or the
@@ -259,7 +261,7 @@ class StreamServer:
                                  f"{len(live)} connections open (the limit), all of them active")
                     return
                 # The victim's thread closes it within one poll, at a message boundary: nothing is lost, and its
-                # sink reconnects when it next has something to send.
+                # sink reconnects (a hook's at once, to stay listed; docs/design.md §7).
                 victim.source.evict_requested = True
             t = threading.Thread(target=self._serve, args=(conn, source, peer), name=f"kvfabric-{peer}", daemon=True)
             self._conns[t] = _Conn(conn, source, peer, time.monotonic())
