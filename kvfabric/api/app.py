@@ -6,7 +6,6 @@ connections share its own database instance) and, optionally, the metrics regist
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 import kvfabric
+from kvfabric import settings as settings_table
 from kvfabric.api.dependencies import reject_unknown_query_params, require_token
 from kvfabric.api.errors import install_error_handlers
 from kvfabric.api.routers import blocks, evictions, families, runs, system
@@ -73,7 +73,7 @@ def create_app(
     app.state.runner = runner
     app.state.registry = registry
     app.state.health = health
-    app.state.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+    app.state.token = token if token is not None else (str(settings_table.read(TOKEN_ENV)) or None)
     install_error_handlers(app)
     api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(require_token)])
     for module in (runs, families, evictions, blocks, misses_router, whatif_router, engines_router):

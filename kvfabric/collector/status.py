@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from typing import Any
 
+from kvfabric import settings as settings_table
 from kvfabric.argtypes import positive_float
 from kvfabric.usage import UsageError
 
@@ -114,7 +114,7 @@ def render(url: str, health: dict[str, Any] | None, engines: list[dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
-    token = args.token if args.token is not None else (os.environ.get(TOKEN_ENV) or None)
+    token = args.token if args.token is not None else (str(settings_table.read(TOKEN_ENV)) or None)
     health, engines = fetch(args.url, token, args.timeout)
     if args.format == "json":
         print(json.dumps({"collector": args.url.rstrip("/"), "health": health, "engines": engines}, indent=2))

@@ -429,9 +429,13 @@ def _wrap_manager(manager: Any, r: Recorder) -> None:
     manager.free = kvfabric_free
 
 
-def engine_id(scheduler: Any) -> str:
-    """``KVFABRIC_ENGINE_ID`` or ``<host>/dp<rank>``: stable across restarts so metric labels stay bounded."""
-    explicit = os.environ.get("KVFABRIC_ENGINE_ID", "").strip()
+def engine_id(scheduler: Any, explicit: str | None = None) -> str:
+    """``explicit`` (else ``KVFABRIC_ENGINE_ID``, read through the settings table, which checks the collector's
+    label limits) or ``<host>/dp<rank>``: stable across restarts so metric labels stay bounded."""
+    if explicit is None:
+        from kvfabric import settings as table
+
+        explicit = str(table.read("KVFABRIC_ENGINE_ID"))
     if explicit:
         return explicit
     rank = getattr(getattr(scheduler, "parallel_config", None), "data_parallel_rank", 0) or 0
@@ -578,4 +582,4 @@ def install(scheduler: Any, settings: HookSettings) -> Installation | None:
     manager = getattr(scheduler, "kv_cache_manager", None)
     if manager is None:
         return None
-    return build_hook(manager, settings, scheduler=scheduler, engine=engine_id(scheduler))
+    return build_hook(manager, settings, scheduler=scheduler, engine=engine_id(scheduler, settings.engine_id))
