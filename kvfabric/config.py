@@ -51,7 +51,7 @@ class HookSettings:
     policy: str = "lru"
     protect_min_hit_count: int = 1
     admission_anchor_blocks: int = 0  # 0: the admission gate is off
-    family_depth: int = 0
+    family_depth: int | None = None  # None: the widest-branch-point rule (docs/design.md §5)
     run_id: str = "default"
     batch_events: int = 4096  # a batch is sent every batch_events events ...
     flush_ms: int = 100  # ... or every flush_ms, whichever comes first

@@ -229,8 +229,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVFABRIC_NATIVE", "bool", True, "`0`: record and steer with the Python code (pool hooks, victim index, "
             "free path) even where its compiled copy is built; both make the same records and decisions",
             field="native"),
-    Setting("KVFABRIC_FAMILY_DEPTH", "int", 0, "F of the default family id (`docs/design.md` §5)",
-            field="family_depth", minimum=0),
+    Setting("KVFABRIC_FAMILY_DEPTH", "int", None, "a fixed depth F: a request's family is its block at depth "
+            "min(F, len - 1) instead of the one below its chain's widest branch point (`docs/design.md` §5)",
+            field="family_depth", minimum=0, default_note="the widest branch point",
+            default_doc="unset (the widest branch point)"),
     Setting("KVFABRIC_FAMILY_FROM_REQUEST_ID", "bool", False, "also take a family from a `<family>/<rest>` request "
             "id (opt-in: request ids are not KVFabric's)", field="family_from_request_id"),
     Setting("KVFABRIC_RUN_ID", "label", "default", "label of this run (A/B arm, experiment), carried on every event",

@@ -104,8 +104,8 @@ def test_events_stream_to_a_collector_labelled_with_the_policy_that_ran(
 
 
 def test_real_and_fast_modes_agree_on_families(capsys: pytest.CaptureFixture[str], trace: Path) -> None:
-    """Both modes name a trace request's family by its first block (no request-id convention), so the admission
-    gate, which keys on families, limits the same blocks in both."""
+    """Both modes name a trace request's family by the same rule (docs/design.md §5; no request-id convention), so
+    the admission gate, which keys on families, limits the same blocks in both."""
     args = ["--trace", str(trace), "--policy", "lru", "--num-blocks", "400", "--admission-anchor-blocks", "2"]
     real = replay(capsys, *args)
     fast = replay(capsys, *args, "--fast")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfabric.hook.hints import FamilyTree
 from kvfabric.policies import make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
 from kvfabric.policies.base import EvictionPolicy, PolicySettings, RequestInfo
@@ -148,7 +149,7 @@ class OfflineCache:
         policy: EvictionPolicy,
         block_size: int = 16,
         gate: AnchorAdmissionGate | None = None,
-        family_depth: int = 0,
+        family_depth: int | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2")
@@ -159,6 +160,8 @@ class OfflineCache:
         self.index: VictimIndex = make_index(policy, self.owner, num_blocks)
         self.gate = gate
         self.family_depth = family_depth
+        # The hook's family rule on this replay's keys (docs/design.md §5): both replay modes group alike.
+        self.families = FamilyTree() if family_depth is None else None
         self.key_of = [-1] * num_blocks
         self.slot_of: dict[int, int] = {}
         self.ref = [0] * num_blocks
@@ -233,6 +236,17 @@ class OfflineCache:
             self.evicted_keys.discard(k)
             self.result.rebuilt_from_eviction_blocks += 1
 
+    def family_of(self, keys: Sequence[int], info: RequestInfo | None) -> str | None:
+        """The family :meth:`admit` gives a request, as the hook would (docs/design.md §5): its hint, else the key
+        the family rule names (a fixed depth, or the block below the widest branch point: the chain then enters
+        the tree, so this is called once per request)."""
+        if info is not None and info.family:
+            return info.family  # (a named request stays out of the tree, as in the hook)
+        if not keys:
+            return None
+        tree = self.families
+        return str(keys[tree.add(keys) if tree is not None else min(self.family_depth or 0, len(keys) - 1)])
+
     def admit(self, rid: str, keys: Sequence[int], input_length: int, output_tokens: int,
               info: RequestInfo | None = None) -> tuple[list[int], int]:
         """Admit one request; returns its slots (pinned until :meth:`finish`) and its hit blocks."""
@@ -256,11 +270,7 @@ class OfflineCache:
             self.ref[s] += 1
             t.touch(s, rid, now)
             slots.append(s)
-        family = None
-        if keys:
-            family = str(keys[min(self.family_depth, len(keys) - 1)])
-        if info is not None and info.family:
-            family = info.family
+        family = self.family_of(keys, info)
         total_blocks = -(-(input_length + output_tokens) // bs)
         new = self._allocate(total_blocks - hit)
         slots.extend(new)
