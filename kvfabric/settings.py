@@ -166,7 +166,9 @@ def _plain(value: Any) -> str:
 
 
 def said(value: Any) -> str:
-    """A value as a warning says it: text quoted (empty: nothing), numbers and booleans (1/0) bare."""
+    """A value as a warning says it: text quoted (empty or None: nothing), numbers and booleans (1/0) bare."""
+    if value is None:
+        return ""
     if isinstance(value, str):
         return repr(value) if value else ""
     return _plain(value)

@@ -302,17 +302,7 @@ def replay(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def recorder_names_by_the_tree() -> bool:
-    """Whether the hook's recorder names families with a :class:`FamilyNamer` (``Recorder.name_family``)."""
-    from kvfabric.hook.install import Recorder
-
-    return hasattr(Recorder, "name_family")
-
-
 @pytest.mark.vllm
-@pytest.mark.xfail(not recorder_names_by_the_tree(), strict=True,
-                   reason="kvfabric/hook/install.py's Recorder still names families with request_family (fixed "
-                          "depth): it needs the FamilyNamer edit of issue 26 deliverable 6")
 def test_the_slice_through_vllm_and_a_collector_has_one_family_per_conversation(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The user's experiment: the slice replayed through vLLM's real scheduler, the hook streaming to a real

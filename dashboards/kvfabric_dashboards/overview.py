@@ -109,8 +109,9 @@ DEF_WASTED = (
     "been evicted (the cost of bad eviction)."
 )
 DEF_FAMILY = (
-    "Prefix family: requests that share their leading full blocks (id = hash of the request's first block, or a "
-    "hint such as kv_hints/session_id/kvfabric_family). Unbounded, so never a Prometheus label: per-family "
+    "Prefix family: requests that share their leading full blocks below the prefix everyone shares (id = hash of "
+    "the block just below the request's widest branch point, or a kvfabric_family hint). Unbounded, so never a "
+    "Prometheus label: per-family "
     "numbers are on the collector's REST API."
 )
 

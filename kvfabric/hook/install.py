@@ -41,7 +41,7 @@ from kvfabric import schema as S
 from kvfabric.config import HookSettings
 from kvfabric.hook import compiled, forwarding
 from kvfabric.hook import records as R
-from kvfabric.hook.hints import request_family
+from kvfabric.hook.hints import FamilyNamer
 from kvfabric.hook.outlets import Outlet, make_outlet
 
 log = logging.getLogger("kvfabric.hook")
@@ -79,9 +79,8 @@ class Recorder:
     each record as it is made; ``log`` is None when events are not recorded (a policy alone).
     """
 
-    __slots__ = ("block_size", "clock", "errors", "families", "family_depth", "family_from_rid",
-                 "fresh_observers", "gate", "handover", "handover_at", "keeper", "log", "on", "rid", "stepper",
-                 "victims")
+    __slots__ = ("block_size", "clock", "errors", "families", "fresh_observers", "gate", "handover", "handover_at",
+                 "keeper", "log", "name_family", "on", "rid", "stepper", "victims")
 
     def __init__(self, settings: HookSettings, recording: bool, block_size: int,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -106,8 +105,8 @@ class Recorder:
         #: the allocation's record carries them), else None.
         self.victims: list[int] | None = None
         self.errors = 0
-        self.family_depth = settings.family_depth
-        self.family_from_rid = settings.family_from_request_id
+        #: The family rule of docs/design.md §5 for this engine (it holds the engine's prefix tree).
+        self.name_family = FamilyNamer(settings.family_depth, settings.family_from_request_id)
         self.families: dict[str, str | None] = {}
 
     @property
@@ -151,7 +150,7 @@ class Recorder:
         fam = self.families.get(rid, "")
         if fam == "":
             hashes = request.block_hashes
-            fam = request_family(request, hashes, self.family_depth, self.family_from_rid)
+            fam = self.name_family(request, hashes)
             if fam is not None or hashes:
                 self.families[rid] = fam
         return fam
