@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.collector import CollectorConfig, CollectorProcess
-from kvfabric.demo import free_port
+from kvfabric.demo import choose_port
 
 MODES = ("plain", "off", "recording", "streaming", "adaptive_aging")
 _ENV = ("KVFABRIC_LIFECYCLE", "KVFABRIC_SINK", "KVFABRIC_RUN_ID", "KVFABRIC_EVICTION_POLICY")
@@ -229,7 +229,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kvf-bench-")
     sock = os.path.join(tmp, "c.sock")
     collector = CollectorProcess(CollectorConfig(db_path=os.path.join(tmp, "bench.duckdb"), socket_path=sock,
-                                                 port=free_port(0)), log_path=os.path.join(tmp, "c.log"))
+                                                 port=choose_port(0)[0]), log_path=os.path.join(tmp, "c.log"))
     collector.start()
     times: dict[str, list[float]] = {m: [] for m in MODES}  # scheduler-thread CPU seconds
     walls: dict[str, list[float]] = {m: [] for m in MODES}  # scheduler wall seconds
