@@ -94,7 +94,7 @@ def _roles(server_pid: int, collector_pid: int) -> dict[str, int]:
         st = process_stats(pid)
         if st is None:
             continue
-        if "kvfabric.hook.forwarder" in str(st["cmdline"]):
+        if "kvfabric.forwarder" in str(st["cmdline"]):
             found["forwarder"] = pid
         elif "EngineCor" in str(st["comm"]) and "engine_core" not in found:
             found["engine_core"] = pid

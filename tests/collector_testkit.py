@@ -35,8 +35,8 @@ from typing import Any
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfabric import schema as S
 from kvfabric.collector import CollectorConfig, CollectorProcess
+from kvfabric.contract import schema as S
 
 T0 = 1_700_000_000_000_000_000
 HASH_STORY = 0x1234_5678_9ABC_DEF0
@@ -453,7 +453,7 @@ def schema_bytes(stream_meta: dict[str, str]) -> bytes:
 
 
 def hook_row(i: int, run_id: str, engine: str, ts_ns: int | None = None) -> tuple:
-    """A row as the hook emits it (kvfabric.schema.EMIT_COLUMNS order): a block_allocated of block ``i``."""
+    """A row as the hook emits it (kvfabric.contract.schema.EMIT_COLUMNS order): a block_allocated of block ``i``."""
     values: list[object] = [None] * len(S.EMIT_COLUMNS)
     values[S.EMIT_COLUMNS.index("ts_ns")] = ts_ns if ts_ns is not None else time.time_ns()
     values[S.EMIT_COLUMNS.index("event")] = S.BLOCK_ALLOCATED
@@ -479,8 +479,8 @@ def hook_dropped_row(run_id: str, engine: str) -> Callable[[int], tuple]:
 def hook_sink(socket_path: str, run_id: str, engine: str = "e0", *, capacity: int = 1_000_000,
               batch_events: int = 100, flush_ms: int = 20, **kwargs: Any) -> Any:
     """The hook's own UnixArrowSink (protocol 2) with a fresh buffer, started."""
-    from kvfabric.hook.buffer import EventBuffer
-    from kvfabric.hook.sinks import UnixArrowSink
+    from kvfabric.forwarder.buffer import EventBuffer
+    from kvfabric.forwarder.sinks import UnixArrowSink
 
     m = {k: v for k, v in meta("ignored", run_id, engine).items() if k != S.META_STREAM_ID}
     buffer = EventBuffer(capacity=capacity, wake_at=batch_events)

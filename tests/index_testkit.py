@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvfabric.lifecycle.side_table import SideTable
 from kvfabric.policies.base import EvictionPolicy
-from kvfabric.side_table import SideTable
 
 
 class Owner:

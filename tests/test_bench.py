@@ -17,9 +17,10 @@ import pytest
 from sim_serve_testkit import sim_server
 
 from kvfabric.bench.modes import ConversationSession, ModeError, make_sessions, mode_params
-from kvfabric.bench.prompts import Prompt, PromptFormat, Reply, word
+from kvfabric.bench.prompts import Prompt, PromptFormat, Reply
 from kvfabric.bench.scenario import ScenarioError, bundled_scenarios, load_scenario, scenario_from_dict
 from kvfabric.cli import main as cli_main
+from kvfabric.sim.tokenizer import word
 
 REPO = Path(__file__).resolve().parents[1]
 

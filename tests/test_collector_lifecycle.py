@@ -135,9 +135,9 @@ def test_parquet_export_round_trip() -> None:
 
 def test_the_hooks_own_unix_sink_streams_into_the_collector() -> None:
     """The contract between the two halves: kvfabric.hook's sink -> this collector, nothing lost, seq in order."""
-    from kvfabric import schema as S
-    from kvfabric.hook.buffer import EventBuffer
-    from kvfabric.hook.sinks import UnixArrowSink
+    from kvfabric.contract import schema as S
+    from kvfabric.forwarder.buffer import EventBuffer
+    from kvfabric.forwarder.sinks import UnixArrowSink
 
     def row(i: int) -> tuple:
         values: list[object] = [None] * len(S.EMIT_COLUMNS)

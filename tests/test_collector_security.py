@@ -24,7 +24,7 @@ from collector_testkit import (
 )
 
 from kvfabric.collector import wait_ready
-from kvfabric.config import default_socket_path
+from kvfabric.engine.config import default_socket_path
 
 NOBODY = 65534
 

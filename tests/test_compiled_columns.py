@@ -1,4 +1,4 @@
-"""The compiled hooks' block-fields pass (kvfabric/hook/_recorder.c, ``columns``) against what the Python hooks'
+"""The compiled hooks' block-fields pass (kvfabric/engine/_recorder.c, ``columns``) against what the Python hooks'
 list comprehensions build (:func:`reference`).
 
 The compiled hooks' records list what this pass returns, so the two must agree on every input: vLLM's real slotted
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from kvfabric.hook import compiled
+from kvfabric.engine import compiled
 
 
 def reference(blocks: Any, names: tuple[str, ...], pool: Any = None) -> tuple[list[Any], ...]:

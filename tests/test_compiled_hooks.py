@@ -1,4 +1,4 @@
-"""The compiled pool hooks (kvfabric/hook/_recorder.c through compiled.Hook) against the Python ones they copy.
+"""The compiled pool hooks (kvfabric/engine/_recorder.c through compiled.Hook) against the Python ones they copy.
 
 vLLM's real Scheduler runs one workload (preemptions and evictions included) with the hook built twice, compiled
 and not (``KVFABRIC_NATIVE=0``): the records must be the same, field by field, timestamps aside, and vLLM's
@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from kvfabric.config import load_hook_settings
-from kvfabric.hook import compiled
-from kvfabric.hook import records as R
-from kvfabric.hook.install import Installation, Recorder, build_hook
+from kvfabric.contract import records as R
+from kvfabric.engine import compiled
+from kvfabric.engine.config import load_hook_settings
+from kvfabric.engine.install import Installation, build_hook
+from kvfabric.engine.recorder import Recorder
 from kvfabric.sim.harness import SimulatedEngine, build_scheduler
 from kvfabric.sim.workload import demo_workload
 

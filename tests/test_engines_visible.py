@@ -28,11 +28,11 @@ from collector_testkit import collector_files, free_port, wait_until
 
 import kvfabric
 from kvfabric import cli
-from kvfabric import schema as S
-from kvfabric.config import load_hook_settings
-from kvfabric.hook import plugin
-from kvfabric.hook.buffer import EventBuffer
-from kvfabric.hook.sinks import UnixArrowSink
+from kvfabric.contract import schema as S
+from kvfabric.engine import plugin
+from kvfabric.engine.config import load_hook_settings
+from kvfabric.forwarder.buffer import EventBuffer
+from kvfabric.forwarder.sinks import UnixArrowSink
 from kvfabric.ingest.engines import CONNECTED, DISCONNECTED, IDLE, EngineRegistry
 from kvfabric.ingest.validate import StreamMeta
 

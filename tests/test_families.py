@@ -23,9 +23,9 @@ import httpx
 import pytest
 from collector_testkit import collector_files, wait_until
 
-from kvfabric import schema as S
 from kvfabric.cli import main
-from kvfabric.hook.hints import FamilyNamer, FamilyTree, request_family
+from kvfabric.contract import schema as S
+from kvfabric.engine.families import FamilyNamer, FamilyTree, request_family
 from kvfabric.policies.base import RequestInfo
 from kvfabric.policies.builtin import LRUPolicy
 from kvfabric.sim.offline import OfflineCache, block_keys, load_trace

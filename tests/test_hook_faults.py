@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from kvfabric.config import load_hook_settings
-from kvfabric.hook import records as R
-from kvfabric.hook.install import Installation, Recorder, build_hook
+from kvfabric.contract import records as R
+from kvfabric.engine.config import load_hook_settings
+from kvfabric.engine.install import Installation, build_hook
+from kvfabric.engine.recorder import Recorder
 from kvfabric.sim.harness import SimulatedEngine, build_scheduler
 from kvfabric.sim.workload import demo_workload
 

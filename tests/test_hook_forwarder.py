@@ -27,11 +27,11 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from kvfabric import schema as S
-from kvfabric.config import load_hook_settings
-from kvfabric.hook.install import Installation, build_hook
-from kvfabric.hook.outlets import LocalOutlet, RingOutlet, TeeOutlet
-from kvfabric.hook.ring import W_READ, Ring
+from kvfabric.contract import schema as S
+from kvfabric.contract.ring import W_READ, Ring
+from kvfabric.engine.config import load_hook_settings
+from kvfabric.engine.handover import LocalOutlet, RingOutlet, TeeOutlet
+from kvfabric.engine.install import Installation, build_hook
 
 BLOCK = 16
 
@@ -237,6 +237,6 @@ def test_local_outlet_keeps_rows_until_drained() -> None:
     rows = inst.drain()
     assert len(rows) > 0 and inst.drain() == []
     with pytest.raises(TypeError):
-        from kvfabric.hook.outlets import NullOutlet
+        from kvfabric.engine.handover import NullOutlet
 
         NullOutlet().drain()

@@ -1,4 +1,4 @@
-"""The exact-signature wrapper (kvfabric/hook/forwarding.py) and the recorder's hand-over rules (install.py).
+"""The exact-signature wrapper (kvfabric/engine/signature.py) and the recorder's hand-over rules (install.py).
 
 The wrapper must hand vLLM the call it was given, whatever the parameter kinds; the recorder must hand records
 over when a request ends, when HANDOVER_RECORDS wait and once HANDOVER_S has passed, and not at every record.
@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvfabric.hook import forwarding
-from kvfabric.hook import install as I
-from kvfabric.hook.outlets import Outlet
+from kvfabric.engine import install as I
+from kvfabric.engine import recorder as R_
+from kvfabric.engine import signature
+from kvfabric.engine.handover import Outlet
 
 
 class _Calls:
@@ -56,7 +57,7 @@ def test_the_wrapper_has_the_original_signature_and_forwards_every_argument() ->
         slow_calls.append((request.request_id, args, kwargs))
         return original(request, *args, **kwargs)
 
-    wrapped = forwarding.request_context_wrapper(observing, ctx, slow, "kvfabric_method")
+    wrapped = signature.request_context_wrapper(observing, ctx, slow, "kvfabric_method")
     assert wrapped.__name__ == "kvfabric_method" and wrapped.__code__.co_filename == "<string>"  # generated
     assert inspect.signature(wrapped) == inspect.signature(original)
 
@@ -75,18 +76,18 @@ def test_the_wrapper_has_the_original_signature_and_forwards_every_argument() ->
 
 def test_an_unreadable_signature_falls_back_to_the_generic_wrapper() -> None:
     ctx = _Context()
-    wrapped = forwarding.request_context_wrapper(print, ctx, print, "kvfabric_print")
+    wrapped = signature.request_context_wrapper(print, ctx, print, "kvfabric_print")
     assert wrapped.__code__.co_filename != "<string>"  # not generated: print has no readable Python signature
     with pytest.raises(AttributeError):
         wrapped(object())  # the generic wrapper still reads the request's fields
 
 
 def test_argument_reader_finds_a_parameter_by_position_keyword_or_default() -> None:
-    read = forwarding.argument_reader(_Calls().method, "hit")
+    read = signature.argument_reader(_Calls().method, "hit")
     assert read(None, 16) == 0
     assert read(None, 16, 7) == 7
     assert read(None, 16, hit=9) == 9
-    assert forwarding.argument_reader(_Calls().method, "absent", 42)(None, 16, 7) == 42
+    assert signature.argument_reader(_Calls().method, "absent", 42)(None, 16, 7) == 42
 
 
 class _Counting(Outlet):
@@ -99,10 +100,10 @@ class _Counting(Outlet):
         self.puts.append(len(records))
 
 
-def _recorder(outlet: _Counting) -> I.Recorder:
-    from kvfabric.config import load_hook_settings
+def _recorder(outlet: _Counting) -> R_.Recorder:
+    from kvfabric.engine.config import load_hook_settings
 
-    r = I.Recorder(load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"}), True, 16)
+    r = R_.Recorder(load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"}), True, 16)
     inst = I.Installation(r, outlet, {}, 64, 16)
     r.handover = inst.flush
     return r
@@ -112,13 +113,13 @@ def test_records_are_handed_over_in_batches_not_one_by_one(monkeypatch: pytest.M
     outlet = _Counting()
     r = _recorder(outlet)
     clock = [100.0]
-    monkeypatch.setattr(I.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(R_.time, "monotonic", lambda: clock[0])
     r.add((99, "first"))  # the first record finds the deadline passed (nothing handed over yet)
     assert outlet.puts == [1]
     for i in range(10):
         r.add((99, i))
     assert outlet.puts == [1]  # within HANDOVER_S: they wait
-    clock[0] += I.HANDOVER_S
+    clock[0] += R_.HANDOVER_S
     r.add((99, "late"))
     assert outlet.puts == [1, 11]
 
@@ -126,8 +127,8 @@ def test_records_are_handed_over_in_batches_not_one_by_one(monkeypatch: pytest.M
 def test_a_full_batch_goes_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     outlet = _Counting()
     r = _recorder(outlet)
-    monkeypatch.setattr(I, "HANDOVER_RECORDS", 5)
-    monkeypatch.setattr(I.time, "monotonic", lambda: 100.0)
+    monkeypatch.setattr(R_, "HANDOVER_RECORDS", 5)
+    monkeypatch.setattr(R_.time, "monotonic", lambda: 100.0)
     r.handover_at = 1e9
     for i in range(12):
         r.add((99, i))
@@ -144,11 +145,11 @@ def test_a_request_end_hands_its_records_over_on_vllms_manager(monkeypatch: pyte
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvfabric.config import load_hook_settings
-    from kvfabric.hook import records as R
+    from kvfabric.contract import records as R
+    from kvfabric.engine.config import load_hook_settings
     from kvfabric.sim.harness import make_request
 
-    monkeypatch.setattr(I.time, "monotonic", lambda: 100.0)
+    monkeypatch.setattr(R_.time, "monotonic", lambda: 100.0)
     cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["l"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32))])
     manager = KVCacheManager(cfg, max_model_len=8192, scheduler_block_size=16, enable_caching=True,
@@ -171,10 +172,10 @@ def test_on_vllms_scheduler_only_the_last_request_end_forces_a_hand_over(monkeyp
     """Time frozen, four requests of different lengths at once on vLLM's real Scheduler: the first record goes at
     once, the three requests that end while others run hold nothing up, and the last one's end hands everything
     over (an engine about to idle keeps nothing back)."""
-    from kvfabric.config import load_hook_settings
+    from kvfabric.engine.config import load_hook_settings
     from kvfabric.sim.harness import SimulatedEngine
 
-    monkeypatch.setattr(I.time, "monotonic", lambda: 100.0)
+    monkeypatch.setattr(R_.time, "monotonic", lambda: 100.0)
     engine = SimulatedEngine.create(64, "zero", track_evictions=False, load_plugins=False)
     outlet = _Counting()
     inst = I.build_hook(engine.scheduler.kv_cache_manager,
@@ -197,7 +198,7 @@ def test_a_pool_without_unpin_blocks_is_hooked_as_on_vllm_0_26() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvfabric.config import load_hook_settings
+    from kvfabric.engine.config import load_hook_settings
     from kvfabric.sim.harness import make_request
 
     class PoolOf026(BlockPool):

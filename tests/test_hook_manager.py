@@ -18,9 +18,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from kvfabric import schema as S
-from kvfabric.config import load_hook_settings
-from kvfabric.hook.install import Installation, build_hook
+from kvfabric.contract import schema as S
+from kvfabric.engine.config import load_hook_settings
+from kvfabric.engine.install import Installation, build_hook
 
 pytestmark = pytest.mark.vllm
 BLOCK = 16

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvfabric import schema as S
-from kvfabric.hook.plugin import wrap_scheduler_class
+from kvfabric.contract import schema as S
+from kvfabric.engine.plugin import wrap_scheduler_class
 from kvfabric.sim.harness import SimulatedEngine
 from kvfabric.sim.workload import demo_workload
 

@@ -1,8 +1,8 @@
 """Sinks over a real Unix socket: batching, sequence numbers, metadata, acknowledgements, replay, backoff, the
 listener check, and counted loss.
 
-The receiver here is a minimal protocol-2 collector (kvfabric/protocol.py) whose misbehaviour each test controls
-(hang up after N batches without acknowledging, accept and close at once, never acknowledge). End-to-end
+The receiver here is a minimal protocol-2 collector (kvfabric/contract/protocol.py) whose misbehaviour each test
+controls (hang up after N batches without acknowledging, accept and close at once, never acknowledge). End-to-end
 guarantees against the real collector process are in tests/test_collector_reliability.py.
 """
 
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-
-from kvfabric import protocol as P
-from kvfabric import schema as S
 from kvfabric.hook import forwarder
-from kvfabric.hook.buffer import EventBuffer
-from kvfabric.hook.ring import W_ACCOUNTED, Ring
-from kvfabric.hook.sinks import JsonlSink, UnixArrowSink
+
+from kvfabric.contract import protocol as P
+from kvfabric.contract import schema as S
+from kvfabric.contract.ring import W_ACCOUNTED, Ring
+from kvfabric.forwarder.buffer import EventBuffer
+from kvfabric.forwarder.sinks import JsonlSink, UnixArrowSink
 
 
 def row(i: int, event: str = S.BLOCK_ALLOCATED) -> tuple:

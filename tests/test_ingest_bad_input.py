@@ -27,7 +27,7 @@ from collector_testkit import (
     wait_until,
 )
 
-from kvfabric import schema as S
+from kvfabric.contract import schema as S
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from collector_testkit import batch, meta
 
-from kvfabric import schema as S
+from kvfabric.contract import schema as S
 from kvfabric.ingest.errors import (
     INVALID_UTF8,
     OVERSIZED,

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import pytest
 
 from kvfabric.cli import main
-from kvfabric.config import load_hook_settings
+from kvfabric.engine.config import load_hook_settings
 from kvfabric.learn.fit import learn
 from kvfabric.learn.source import Traffic, from_trace
 from kvfabric.policies import make_policy

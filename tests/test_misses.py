@@ -50,8 +50,8 @@ from collector_testkit import (
     wait_until,
 )
 
-from kvfabric import schema as S
 from kvfabric.cli import main as kvfabric_main
+from kvfabric.contract import schema as S
 from kvfabric.ingest.store import IncompatibleDatabase, open_database, streams_ddl
 from kvfabric.queries import QueryRunner, catalog
 

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from index_testkit import KeyFromTable as TableKey
 from index_testkit import Owner, forest
 
-from kvfabric.config import load_hook_settings
+from kvfabric.engine.config import load_hook_settings
 from kvfabric.policies.base import EvictionPolicy
-from kvfabric.policies.index import HeapIndex, SegmentedIndex, VictimIndex, make_index
+from kvfabric.policies.index import HeapIndex, SegmentedIndex, VictimIndex
+from kvfabric.policies.indexes import make_index
 from kvfabric.policies.native_index import BUILT, NativeIndex
 
 
@@ -167,9 +168,9 @@ def test_the_compiled_free_path_picks_and_names_what_the_python_one_does(hashes:
                                                                          data: st.DataObject) -> None:
     """``_order.freed_candidates`` against ``steering.freed_candidates_py``: the same candidates, parent links and
     digests (schema.hash64 of vLLM's hash: bytes of any length, ints, None) for any free."""
-    from kvfabric import schema as S
-    from kvfabric.hook.steering import freed_candidates_py
-    from kvfabric.policies._order import freed_candidates
+    from kvfabric.contract import schema as S
+    from kvfabric.engine._recorder import freed_candidates
+    from kvfabric.engine.steering.victims import freed_candidates_py
 
     n = len(hashes)
     blocks = [Block(h) for h in hashes]
@@ -187,8 +188,8 @@ def test_the_compiled_free_path_picks_and_names_what_the_python_one_does(hashes:
 
 
 def test_the_compiled_free_path_refuses_bad_input() -> None:
-    from kvfabric import schema as S
-    from kvfabric.policies._order import freed_candidates
+    from kvfabric.contract import schema as S
+    from kvfabric.engine._recorder import freed_candidates
 
     blocks = [Block(b"12345678"), Block(None)]
     for args, exc in [(([0, 1], [0], blocks, "_block_hash", 0, True, None, S.hash64), ValueError),

@@ -16,13 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from index_testkit import KeyFromTable, Owner, SegmentFromTable, forest
 
+from kvfabric.contract.records import expand_report
+from kvfabric.lifecycle.side_table import SideTable
 from kvfabric.policies import POLICY_NAMES, make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
-from kvfabric.policies.base import EvictionPolicy, RequestInfo, expand_report
+from kvfabric.policies.base import EvictionPolicy, RequestInfo
 from kvfabric.policies.builtin import AdaptiveAgingPolicy, _GhostSet
-from kvfabric.policies.index import HeapIndex, VictimIndex, make_index
+from kvfabric.policies.index import HeapIndex, VictimIndex
+from kvfabric.policies.indexes import make_index
 from kvfabric.policies.native_index import NativeIndex
-from kvfabric.side_table import SideTable
 from kvfabric.sim.offline import OfflineCache, TraceRequest, block_keys, load_trace, simulate
 
 # The full traces are too big to carry in the repository: they sit beside the checkout (docs/design.md §8).

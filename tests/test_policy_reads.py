@@ -1,5 +1,5 @@
 """``EvictionPolicy.reads`` is a contract: inside vLLM a policy that declares only lean columns gets a keeper that
-keeps nothing else (``kvfabric/hook/lifecycle.py``, ``StatisticsKeeper``), so an undeclared read would see stale
+keeps nothing else (``kvfabric/lifecycle/expander.py``, ``StatisticsKeeper``), so an undeclared read would see stale
 statistics. Every built-in policy runs here, through vLLM's real KVCacheManager and the hook, on a table that
 refuses any column it did not declare (besides the victim index's own and steering's ``protected`` / ``score``)."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from test_steering import LIVE_POLICIES, admit, make_manager, make_request
 
+from kvfabric.lifecycle.side_table import INDEX_COLUMNS, SideTable
 from kvfabric.policies import make_policy
-from kvfabric.side_table import INDEX_COLUMNS, SideTable
 
 STEERING_COLUMNS = frozenset({"protected", "score"})  # written and read by steering itself, never by a policy
 

@@ -417,7 +417,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             from prometheus_client import start_http_server
             from vllm.v1.core.sched.scheduler import Scheduler
 
-            from kvfabric.hook.plugin import wrap_scheduler_class
+            from kvfabric.engine.plugin import wrap_scheduler_class
             from kvfabric.sim.harness import SimulatedEngine
             from kvfabric.sim.workload import demo_workload
 

@@ -1,6 +1,6 @@
 """The ring under real concurrency: a producer process and a consumer process, each pinned to its own core where
 the machine has two, pass tens of thousands of messages of varying sizes (the data area wraps hundreds of times,
-with wrap markers and with fewer than 4 bytes left at the end), with both orderings of kvfabric/hook/ring.py.
+with wrap markers and with fewer than 4 bytes left at the end), with both orderings of kvfabric/contract/ring.py.
 Every message must arrive once, in order, byte for byte (each carries its serial number and a CRC32, and the
 consumer regenerates the expected bytes). Also: where no ordering is correct the ring refuses to start, and the
 hook then sends nothing, saying why in one line.
@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvfabric.hook import ring as ring_module
-from kvfabric.hook.outlets import NullOutlet, make_outlet
-from kvfabric.hook.ring import W_CLOSING, W_READ, W_WRITE, Ring, RingUnavailable
+from kvfabric.contract import ring as ring_module
+from kvfabric.contract.ring import W_CLOSING, W_READ, W_WRITE, Ring, RingUnavailable
+from kvfabric.engine.handover import NullOutlet, make_outlet
 
 CAPACITY = 4093  # odd on purpose: message starts land on every alignment, and the end leaves 0-3 bytes too
 SECONDS = 1.5  # the producer's budget; each test takes about twice that
@@ -30,7 +30,7 @@ SECONDS = 1.5  # the producer's budget; each test takes about twice that
 # the CPU to pin to (-1: none), the seed, the time budget. Both draw the same message sequence from the seed.
 END = r"""
 import json, os, random, struct, sys, time, zlib
-from kvfabric.hook.ring import W_CLOSING, Ring
+from kvfabric.contract.ring import W_CLOSING, Ring
 role, fd, ordering, cpu, seed, seconds = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \
     int(sys.argv[5]), float(sys.argv[6])
 if cpu >= 0:

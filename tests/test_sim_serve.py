@@ -223,7 +223,7 @@ def test_first_contact_text_chat_and_docs_work_by_default(served: dict[str, Any]
     log = Path(served["server"].log_path).read_text(errors="replace")
     assert "Traceback" not in log and "warmup failed" not in log and "regex pattern" not in log
     # Any text is accepted (byte fallback), and the benchmark's pseudo-words are one token each.
-    from kvfabric.bench.prompts import word
+    from kvfabric.sim.tokenizer import word
 
     r = httpx.post(f"{url}/v1/completions", timeout=30, json={
         "model": "llama-3-8b", "prompt": "Hello, world! Grüße", "max_tokens": 3})

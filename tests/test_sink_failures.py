@@ -25,9 +25,9 @@ import pytest
 from collector_testkit import collector_files, metric, scrape, wait_until
 from test_hook_sinks import META, StreamServer, dropped_row, row
 
-from kvfabric import schema as S
-from kvfabric.hook.buffer import EventBuffer
-from kvfabric.hook.sinks import FailureLog, JsonlSink, UnixArrowSink
+from kvfabric.contract import schema as S
+from kvfabric.forwarder.buffer import EventBuffer
+from kvfabric.forwarder.sinks import FailureLog, JsonlSink, UnixArrowSink
 
 
 class Clock:
@@ -247,8 +247,8 @@ def make_hook(sink: str, run_id: str) -> tuple[Any, Any]:
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvfabric.config import load_hook_settings
-    from kvfabric.hook.install import build_hook
+    from kvfabric.engine.config import load_hook_settings
+    from kvfabric.engine.install import build_hook
 
     init_none_hash(sha256)
     config = KVCacheConfig(num_blocks=14, kv_cache_tensors=[], kv_cache_groups=[

@@ -21,20 +21,18 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, get_request_block
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from kvfabric import schema as S
-from kvfabric.config import load_hook_settings
-from kvfabric.hook import records as R
-from kvfabric.hook.install import Installation, build_hook, hash_is_a_field_property
-from kvfabric.hook.steering import (
-    Steering,
-    attach_steering,
-    freed_candidates,
-    freed_candidates_py,
-)
+from kvfabric.contract import records as R
+from kvfabric.contract import schema as S
+from kvfabric.contract.records import expand_report
+from kvfabric.engine.config import load_hook_settings
+from kvfabric.engine.install import Installation, build_hook
+from kvfabric.engine.probes import hash_is_a_field_property
+from kvfabric.engine.steering.attach import attach_steering
+from kvfabric.engine.steering.victims import Steering, freed_candidates, freed_candidates_py
+from kvfabric.lifecycle.side_table import ALL_COLUMNS, CANDIDATE_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS
 from kvfabric.policies import POLICY_NAMES
-from kvfabric.policies.base import EvictionPolicy, expand_report
+from kvfabric.policies.base import EvictionPolicy
 from kvfabric.policies.native_index import NativeIndex
-from kvfabric.side_table import ALL_COLUMNS, CANDIDATE_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS
 
 pytestmark = pytest.mark.vllm
 BLOCK = 16
@@ -301,7 +299,7 @@ def test_family_protect_passes_over_protected_blocks() -> None:
     admit(manager, d)
     pool = manager.block_pool
     ev = [dict(zip(S.EMIT_COLUMNS, r, strict=True)) for r in inst.drain()]
-    hits = inst.outlet.lifecycle.table.hits  # type: ignore[attr-defined]
+    hits = inst.outlet.expander.table.hits  # type: ignore[attr-defined]
     a_blocks = [blk for blk in pool.blocks if blk.block_hash is not None and hits[blk.block_id] > 0]
     assert len(a_blocks) == 2, "the protected trunk survived"
     evicted = [e for e in ev if e["event"] == S.BLOCK_EVICTED]
@@ -454,8 +452,8 @@ def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache
 
     Without the hold the second computes the shared prefix alongside the first; with it, it waits and hits it.
     """
-    from kvfabric.config import HookSettings
-    from kvfabric.hook.install import install
+    from kvfabric.engine.config import HookSettings
+    from kvfabric.engine.install import install
     from kvfabric.sim.harness import SimulatedEngine, build_scheduler
 
     scheduler = build_scheduler(2000, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=8192)
@@ -530,7 +528,7 @@ def test_one_side_table_in_process_and_in_the_expander(policy: str) -> None:
     inst, steering = pressured_run(policy)
     keeper = steering.keeper
     assert keeper is not None and steering.policy is not None
-    mine, theirs = keeper.table, inst.outlet.lifecycle.table  # type: ignore[attr-defined]
+    mine, theirs = keeper.table, inst.outlet.expander.table  # type: ignore[attr-defined]
     assert mine.hash == theirs.hash
     cached = [b for b, h in enumerate(theirs.hash) if h is not None]
     assert len(cached) >= 10
@@ -582,7 +580,7 @@ def test_the_expander_keeps_the_scores_and_flags_the_policy_reported(policy: str
     inst, steering = pressured_run(policy, prepare)
     index = steering.index
     assert index is not None
-    table = inst.outlet.lifecycle.table  # type: ignore[attr-defined]
+    table = inst.outlet.expander.table  # type: ignore[attr-defined]
     held = [b for b in range(index.num_blocks) if index.held[b]]
     assert held and forms
     assert [(table.score[b], table.protected[b]) for b in held] == [reported[b] for b in held]
@@ -594,7 +592,7 @@ def test_loss_counted_for_a_record_never_exceeds_the_rows_it_makes() -> None:
     """``events_in`` (what a lost record is counted as) is a lower bound of the rows the expander makes of it, for
     every record of a pressured run; an allocation whose victims the policy chose counts their ranking row too."""
     manager, inst, steering = make_manager(14, "adaptive_aging", anchor=0)
-    life = inst.outlet.lifecycle  # type: ignore[attr-defined]
+    life = inst.outlet.expander  # type: ignore[attr-defined]
     seen: list[tuple[tuple, int, int]] = []
 
     def apply(records: list[tuple]) -> None:

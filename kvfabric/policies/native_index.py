@@ -12,7 +12,7 @@ Python index's ``pop()`` cost 9.01 µs in place against 3.4 µs warm). The polic
 only orders what they say.
 
 The extension is built by ``pip install`` where a C compiler is found (setup.py marks it optional); without it,
-:func:`~kvfabric.policies.index.make_index` returns the Python index, as steering asks for with
+:func:`~kvfabric.policies.indexes.make_index` returns the Python index, as steering asks for with
 ``KVFABRIC_NATIVE=0``.
 """
 

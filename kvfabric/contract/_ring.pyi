@@ -1,4 +1,4 @@
-"""Type stub of the ring's compiled ordering (kvfabric/hook/_ring.c; see ring.py)."""
+"""Type stub of the ring's compiled ordering (kvfabric/contract/_ring.c; see ring.py)."""
 
 from mmap import mmap
 

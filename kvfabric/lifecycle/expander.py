@@ -1,16 +1,17 @@
 """The lifecycle expander: call records in, one event row per block operation out.
 
-This is where a block's life story is written. It runs in the forwarder process (:mod:`kvfabric.hook.forwarder`),
-off vLLM's GIL, or in-process where a caller drains events itself (the replay, the tests). It keeps the
-:class:`~kvfabric.side_table.SideTable` (the same operations policies and the offline replay use), the bounded
+This is where a block's life story is written. It runs in the forwarder process (:mod:`kvfabric.forwarder`),
+off vLLM's GIL, or in-process where a caller drains events itself (the replay, the tests: the engine's
+``LocalOutlet``). It keeps the
+:class:`~kvfabric.lifecycle.side_table.SideTable` (the same operations policies and the offline replay use), the bounded
 memory of recently evicted digests (rebuilt and regretful evictions), and each live request's family.
 
-:class:`StatisticsKeeper` is the same logic without events, for steering inside vLLM when a policy reads block
-statistics: one code path keeps the side table wherever it is kept.
+:class:`~kvfabric.lifecycle.keeper.StatisticsKeeper` is the same logic without events, for steering inside vLLM
+when a policy reads block statistics: one code path keeps the side table wherever it is kept.
 
 Invariants:
   * records are applied in the order vLLM made the calls; each produces exactly the rows of docs/design.md §4,
-    with the call's timestamp and step, in :data:`kvfabric.schema.EMIT_COLUMNS` order;
+    with the call's timestamp and step, in :data:`kvfabric.contract.schema.EMIT_COLUMNS` order;
   * a block that still holds a digest when ``get_new_blocks`` hands it out was cached: vLLM just evicted it to
     reuse it (our digest is its identity: vLLM's own hash is already gone), so ``block_evicted`` comes first;
   * ``evicted`` remembers at most ``evicted_memory`` digests (oldest forgotten first): rebuilt detection is exact
@@ -20,20 +21,21 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvfabric import schema as S
-from kvfabric.hook import records as R
-from kvfabric.policies.base import expand_report
-from kvfabric.side_table import ALL_COLUMNS, CANDIDATE_COLUMNS, INDEX_COLUMNS, LEAN_COLUMNS, SideTable
+from kvfabric.contract import records as R
+from kvfabric.contract import schema as S
+from kvfabric.contract.records import expand_report
+from kvfabric.lifecycle.side_table import SideTable
 
 hash64 = S.hash64
 hash64_all = S.hash64_all
 
 
-class Lifecycle:
+class Expander:
     """Applies call records to the side table and emits event rows through ``emit`` (``list.append``-like)."""
 
     def __init__(
@@ -56,8 +58,9 @@ class Lifecycle:
         #: Whether rows are emitted: the keeper sets False, and the handlers then skip building them (the keeper
         #: runs on vLLM's scheduler thread, where a call per block that does nothing is still paid).
         self.rows = True
-        #: Whether only the side table's lean columns are kept (:data:`kvfabric.side_table.LEAN_COLUMNS`), with its
-        #: lean operations: the keeper of a policy that reads nothing else sets it, and swaps in those handlers.
+        #: Whether only the side table's lean columns are kept (:data:`~kvfabric.lifecycle.side_table.LEAN_COLUMNS`),
+        #: with its lean operations: the keeper of a policy that reads nothing else sets it, and swaps in those
+        #: handlers.
         self.lean = False
         self.sealless = False  # (see StatisticsKeeper)
         self.null_block = null_block
@@ -318,88 +321,16 @@ class Lifecycle:
         self.emit(self.dropped_row(count, ts))
 
 
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-class StatisticsKeeper(Lifecycle):
-    """The side table alone, for a policy inside vLLM: the same handlers, no events, no evicted-digest memory.
-
-    ``last_use`` is written on ``clock`` (the victim index's logical clock), the clock policies see as ``now``.
-    Scores and protection flags are the expander's alone (``SCORED`` records): nothing in-process reads them.
-
-    ``reads``: the columns the policy reads (``EvictionPolicy.reads``). When they and the victim index's are all
-    lean (:data:`~kvfabric.side_table.LEAN_COLUMNS`), only those are kept, with the side table's lean operations:
-    a free then costs nothing here, a touch one addition per block, an eviction one write. This runs on vLLM's
-    scheduler thread, once per block of every call (``benchmarks/results/hook_overhead.md``), so the records it
-    has nothing to do for have no handler at all (:attr:`handler` answers None for them: no call is made), and a
-    lean sealing is one side-table call per record.
-    """
-
-    def __init__(self, num_blocks: int, clock: Callable[[], int], null_block: int = 0,
-                 reads: Iterable[str] = ALL_COLUMNS) -> None:
-        super().__init__(num_blocks=num_blocks, emit=_nothing, null_block=null_block)
-        self.rows = False
-        self.clock = clock
-        handlers = self._handlers
-        for op in (R.LOOKUP, R.ADMITTED, R.CANCELLED, R.DONE, R.LIMITED, R.SCORED, R.LOST):
-            del handlers[op]
-        self.lean = (INDEX_COLUMNS | set(reads)) <= LEAN_COLUMNS
-        #: Whether the policy reads only :data:`~kvfabric.side_table.CANDIDATE_COLUMNS`: then no sealing is
-        #: followed (a call per sealing call on vLLM's path, benchmarks/results/hook_calls.md), and steering names
-        #: each candidate's content and gives the index its parent links from the free (``Steering.freed``).
-        self.sealless = self.lean and set(reads) <= CANDIDATE_COLUMNS
-        if self.lean:
-            handlers[R.ALLOCATED] = self._lean_allocated
-            handlers[R.TOUCHED] = self._lean_touched
-            handlers[R.SEALED] = self._lean_sealed
-            del handlers[R.FREED]  # only ``last_use`` and the expander's ref counts move on a free
-        if self.sealless:
-            del handlers[R.SEALED]
-        #: The handler of a record's op, or None when this keeper has nothing to do for it (the recorder's hot
-        #: path looks it up itself: one call per record instead of two, none for the records it skips).
-        self.handler: Callable[[int], Callable[[tuple], None] | None] = handlers.get
-
-    def apply(self, records: Iterable[tuple]) -> None:
-        for rec in records:
-            self.apply_one(rec)
-
-    def apply_one(self, record: tuple) -> None:
-        fn = self.handler(record[0])
-        if fn is not None:
-            fn(record)
-
-    def follow(self, op: int, fn: Callable[[tuple], None]) -> None:
-        """After this keeper applies each ``op`` record, ``fn(record)`` sees it too (steering follows touches this
-        way: a touched block left vLLM's free list). ``fn`` handles its own errors."""
-        apply = self._handlers.get(op)
-        if apply is None:  # (a lean keeper ignores frees: no call for it)
-            self._handlers[op] = fn
-            return
-
-        def both(rec: tuple) -> None:
-            apply(rec)
-            fn(rec)
-
-        self._handlers[op] = both
-
-    def _lean_allocated(self, rec: tuple) -> None:
-        self.table.forget_all(rec[4])  # a block still holding content was just evicted by vLLM to be reused
-
-    def _lean_touched(self, rec: tuple) -> None:
-        self.table.hit_all(rec[4], self.null_block)
-
-    def _lean_sealed(self, rec: tuple) -> None:
-        _, _ts, _step, _rid, _family, start, prev, ids, raws, parent_raw = rec
-        t = self.table
-        null = self.null_block
-        prev_id = -1 if prev is None or prev == null else prev
-        parent = t.hash[prev_id] if prev_id >= 0 else None
-        if parent is None and parent_raw is not None:
-            parent = hash64(parent_raw)
-        t.seal_run_lean(ids, hash64_all(raws), parent, prev_id, start, null)
-
-    def _stamp(self, ts: int) -> int:
-        return self.clock()
-
-    _row = _nothing  # type: ignore[assignment]  # (handlers without a per-block loop still call it)
+def expander_from_metadata(metadata: dict[str, str], emit: Any) -> Expander:
+    """The expander for one stream, configured from its metadata (the forwarder gets nothing else)."""
+    extra = json.loads(metadata.get(S.META_SETTINGS, "{}") or "{}")
+    return Expander(
+        num_blocks=int(metadata[S.META_NUM_BLOCKS]),
+        emit=emit,
+        engine=metadata[S.META_ENGINE],
+        run_id=metadata[S.META_RUN_ID],
+        policy=metadata[S.META_POLICY],
+        null_block=int(extra.get("null_block", 0)),
+        evicted_memory=int(extra.get("evicted_memory", 1_000_000)),
+        regret_window_s=float(extra.get("regret_window_s", 60.0)),
+    )

@@ -1,7 +1,10 @@
-"""Sinks: the background thread that moves events from the hook's buffer to the collector (or a file).
+"""Sinks: the forwarder's background thread that moves event rows from its buffer to the collector (or a file).
+
+Runs in the forwarder process (:mod:`kvfabric.forwarder`), never in vLLM's: the forwarder's main loop expands
+records and appends rows to the :class:`~kvfabric.forwarder.buffer.EventBuffer`; the sink thread drains it.
 
 Invariants:
-  * all I/O happens on the sink thread; the scheduler only appends to the :class:`EventBuffer`;
+  * all I/O happens on the sink thread; the forwarder's main loop only appends to the buffer;
   * every batch carries a per-stream sequence number ``seq`` (0, 1, 2, ... across reconnects of one stream id),
     so the collector sees lost batches as gaps and recognises resent ones;
   * nothing is lost silently: events that cannot be delivered (buffer full, a batch that cannot be encoded, the
@@ -13,10 +16,10 @@ Invariants:
     path and the reason, then at most one summary a minute (failures by reason, events dropped since the last
     line), and one line when it works again; every failure is counted (``Sink.failures``) whether logged or not.
 
-:class:`UnixArrowSink` speaks protocol 2 (kvfabric/protocol.py) and makes "delivered" mean *committed*: it checks
-who listens on the socket before sending anything, sends nothing before the collector's HELLO, keeps every batch
+:class:`UnixArrowSink` speaks protocol 2 (kvfabric/contract/protocol.py) and makes "delivered" mean *committed*: it
+checks who listens on the socket before sending anything, sends nothing before the collector's HELLO, keeps every batch
 until the collector acknowledges its commit (a bounded replay buffer, ``replay_events`` rows; when it is full the
-sink waits and the hook's buffer absorbs, then drops and counts), resends unacknowledged batches in order after a
+sink waits and the forwarder's buffer absorbs, then drops and counts), resends unacknowledged batches in order after a
 reconnect (the collector deduplicates on (stream id, seq)), and resets its backoff only once a batch is confirmed.
 So a collector killed mid-stream and restarted loses nothing, and whatever does get lost is counted.
 """
@@ -40,11 +43,11 @@ from typing import IO
 
 import pyarrow as pa
 
-from kvfabric import protocol as P
-from kvfabric import schema as S
-from kvfabric.hook.buffer import EventBuffer
+from kvfabric.contract import protocol as P
+from kvfabric.contract import schema as S
+from kvfabric.forwarder.buffer import EventBuffer
 
-log = logging.getLogger("kvfabric.hook")
+log = logging.getLogger("kvfabric.forwarder")
 
 _ARROW_TYPES = [EVENT_FIELD.type for EVENT_FIELD in S.EVENT_SCHEMA][1:]  # seq excluded: stamped per batch
 
@@ -155,14 +158,14 @@ class FailureLog:
         self._lost_mark = self._events()[0]
 
 
-# Rows converted per slice before the sink thread hands the GIL back. vLLM's scheduler thread shares the GIL
-# with this thread: one long conversion would stall it for up to the interpreter's 5 ms switch interval, which on a
-# fast model is a whole engine step. Slices of 256 rows hold the GIL for ~0.1 ms at a time.
+# Rows converted per slice before the sink thread hands the GIL back. The forwarder's ring reader shares the GIL
+# with this thread: one long conversion would stall it for up to the interpreter's 5 ms switch interval while the
+# ring fills. Slices of 256 rows hold the GIL for ~0.1 ms at a time.
 _SLICE_ROWS = 256
 
 
 def rows_to_batch(rows: list[tuple], seq: int, schema: pa.Schema) -> pa.RecordBatch:
-    """Transpose hook rows into one Arrow batch with a constant ``seq`` column, yielding the GIL between slices.
+    """Transpose event rows into one Arrow batch with a constant ``seq`` column, yielding the GIL between slices.
 
     Raises (``pa.ArrowException``, ``TypeError``, ``ValueError``) when a row does not fit the schema."""
     parts: list[list[pa.Array]] = [[] for _ in _ARROW_TYPES]
@@ -170,7 +173,7 @@ def rows_to_batch(rows: list[tuple], seq: int, schema: pa.Schema) -> pa.RecordBa
         columns = zip(*rows[start : start + _SLICE_ROWS], strict=True)
         for part, col, typ in zip(parts, columns, _ARROW_TYPES, strict=True):
             part.append(pa.array(col, typ))
-        time.sleep(0)  # releases the GIL: a waiting scheduler thread runs now, not after a switch interval
+        time.sleep(0)  # releases the GIL: the waiting ring reader runs now, not after a switch interval
     arrays = [pa.array([seq] * len(rows), pa.int64())]
     arrays += [pa.concat_arrays(part) if len(part) > 1 else part[0] for part in parts]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

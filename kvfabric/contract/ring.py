@@ -56,7 +56,7 @@ import struct
 from collections.abc import Callable
 
 try:
-    from kvfabric.hook._ring import load_acquire, store_release
+    from kvfabric.contract._ring import load_acquire, store_release
 except ImportError:  # (no C compiler at install time)
     load_acquire = store_release = None  # type: ignore[assignment]
 
@@ -68,7 +68,7 @@ _WRAP = 0xFFFFFFFF
 W_WRITE, W_READ, W_EXPANDED, W_ACCOUNTED, W_CLOSING, W_CONSUMER = range(6)
 
 COMPILED = load_acquire is not None
-"""Whether the install built the compiled ordering (``kvfabric/hook/_ring.c``)."""
+"""Whether the install built the compiled ordering (``kvfabric/contract/_ring.c``)."""
 TSO = platform.machine().lower() in ("x86_64", "amd64")
 """Whether this CPU keeps loads and stores in program order with atomic 8-byte words (x86-64): the Python
 ordering is correct here, and only here."""
@@ -92,11 +92,11 @@ def ordering_for(requested: str | None = None) -> str:
     :class:`RingUnavailable` when that one is not correct (or not built) here."""
     ordering = requested or ("compiled" if COMPILED else "python")
     if ordering == "compiled" and not COMPILED:
-        raise RingUnavailable("the ring's compiled part (kvfabric/hook/_ring.c) is not built")
+        raise RingUnavailable("the ring's compiled part (kvfabric/contract/_ring.c) is not built")
     if ordering == "python" and not TSO:
         raise RingUnavailable(
             f"the ring's Python ordering is not correct on {platform.machine()} (not x86-64: plain stores may be "
-            "seen out of order) and its compiled part (kvfabric/hook/_ring.c) is needed: reinstall KVFabric with a "
+            "seen out of order) and its compiled part (kvfabric/contract/_ring.c) is needed: reinstall KVFabric with a "
             "C compiler")
     if ordering not in ORDERINGS:
         raise ValueError(f"ordering {ordering!r} is not one of {ORDERINGS}")

@@ -1,4 +1,4 @@
-/* The ring's ordering, compiled (kvfabric/hook/ring.py is its only user; see its docstring for the layout).
+/* The ring's ordering, compiled (kvfabric/contract/ring.py is its only user; see its docstring for the layout).
 
    load_acquire(buffer, offset) -> int: the unsigned 64-bit word at ``offset`` of ``buffer``, read with acquire
    ordering: no later read or write of this thread (the payload copy that follows) can be seen before it.
@@ -95,8 +95,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvfabric.hook._ring",
-    "The shared-memory ring's acquire loads and release stores (see kvfabric/hook/ring.py).", -1, methods,
+    PyModuleDef_HEAD_INIT, "kvfabric.contract._ring",
+    "The shared-memory ring's acquire loads and release stores (see kvfabric/contract/ring.py).", -1, methods,
 };
 
 PyMODINIT_FUNC

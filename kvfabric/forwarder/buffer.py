@@ -1,12 +1,15 @@
-"""The bounded in-memory event buffer between vLLM's scheduler thread and the sink thread.
+"""The bounded in-memory event buffer between the forwarder's main loop and its sink thread.
+
+Both run in the forwarder process: the main loop expands records and appends rows; the sink thread drains them.
 
 Invariants:
-  * ``append`` is the only call on the hot path: one bound check and one ``list.append`` (atomic under the GIL),
-    no lock, no I/O, never raises;
+  * ``append`` is the only call on the expanding path: one bound check and one ``deque.append`` (atomic under the
+    GIL), no lock, no I/O, never raises;
   * at most ``capacity`` events are held; beyond that events are *counted* in ``dropped`` and discarded, so a slow
-    or dead collector costs the scheduler nothing but the count;
+    or dead collector costs the main loop nothing but the count (the forwarder applies backpressure before this
+    bound, so in practice the ring fills first and the engine counts what it cannot hand over);
   * ``drain`` pops from the other end of a ``deque`` (``append``/``popleft`` are atomic), so the sink thread takes
-    rows while the scheduler keeps appending, with no lock at all and no row lost between the two.
+    rows while the main loop keeps appending, with no lock at all and no row lost between the two.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections import deque
 
 
 class EventBuffer:
-    """Rows are tuples in :data:`kvfabric.schema.EMIT_COLUMNS` order."""
+    """Rows are tuples in :data:`kvfabric.contract.schema.EMIT_COLUMNS` order."""
 
     __slots__ = ("_rows", "capacity", "dropped", "total", "wake_at", "wakeup")
 

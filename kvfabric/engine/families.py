@@ -1,20 +1,16 @@
-"""Request hints and prefix families: the one place that reads what a client said about a request.
+"""Prefix families: the family of every request an engine sees (docs/design.md §5).
 
-Hints travel in ``SamplingParams.extra_args`` (``vllm_xargs`` on the OpenAI server), docs/design.md §3:
-``kvfabric_family`` names the request's family, ``kvfabric_session`` names its conversation (vLLM 0.33's own
-``request.session_id`` stands in when absent), ``kvfabric_session_end`` says this is the conversation's last turn.
+The family of a request is decided once, when the engine first sees the request: its ``kvfabric_family`` hint;
+else, only when the operator opts in (``KVFABRIC_FAMILY_FROM_REQUEST_ID=1``), the part of the request id before the
+first ``/``; else, when ``KVFABRIC_FAMILY_DEPTH`` = F is set, the digest of the block at depth ``min(F, len - 1)``
+of its chain; else the digest of the block just below the widest branch point of its chain in the prefix tree of
+the requests the engine named so far (:class:`FamilyTree`). Requests shorter than one block have no family (None).
+The request-id rule is opt-in because ids are not ours: the trace replay names requests ``trace/N``, which would
+put a whole trace in one family.
 
-The family of a request (docs/design.md §5) is decided once, when the engine first sees the request: its
-``kvfabric_family`` hint; else, only when the operator opts in (``KVFABRIC_FAMILY_FROM_REQUEST_ID=1``), the part of
-the request id before the first ``/``; else, when ``KVFABRIC_FAMILY_DEPTH`` = F is set, the digest of the block at
-depth ``min(F, len - 1)`` of its chain; else the digest of the block just below the widest branch point of its
-chain in the prefix tree of the requests the engine named so far (:class:`FamilyTree`). Requests shorter than one
-block have no family (None). The request-id rule is opt-in because ids are not ours: the trace replay names
-requests ``trace/N``, which would put a whole trace in one family.
-
-:class:`FamilyNamer` applies the rule for one engine (it holds that engine's tree); the offline replay
-(:mod:`kvfabric.sim.offline`) applies the same :class:`FamilyTree` to its block keys, so both replay modes group
-requests identically.
+:class:`FamilyNamer` applies the rule for one engine (it holds that engine's tree; the engine's ``Recorder`` owns
+the one instance, on vLLM's scheduler thread); the offline replay (:mod:`kvfabric.sim.offline`) applies the same
+:class:`FamilyTree` to its block keys, so both replay modes group requests identically.
 """
 
 from __future__ import annotations
@@ -22,54 +18,14 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from kvfabric import schema as S
-from kvfabric.policies.base import RequestInfo
+from kvfabric.contract import schema as S
+from kvfabric.engine.hints import named_family
 
 #: Blocks a :class:`FamilyTree` holds before it prunes what no request passed lately. Each costs a pointer here
 #: and keeps vLLM's hash (~65 bytes) alive after vLLM drops it: at most ~40 MB.
 FAMILY_TREE_BLOCKS = 1 << 19
 #: Requests a :class:`FamilyNamer` remembers the family of (a preempted request resumed keeps its family).
 NAMED_REQUESTS = 1 << 16
-
-
-def _extra_args(request: Any) -> dict[str, Any]:
-    params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None) if params is not None else None
-    return extra if isinstance(extra, dict) else {}
-
-
-def request_info(request: Any) -> RequestInfo:
-    """Everything a client said about ``request`` (absent hints are None / False)."""
-    extra = _extra_args(request)
-    session = extra.get("kvfabric_session")
-    if session is None:
-        session = getattr(request, "session_id", None)
-    family = extra.get("kvfabric_family")
-    return RequestInfo(
-        request_id=str(getattr(request, "request_id", "")),
-        family=None if family is None or family == "" else str(family),
-        session=None if session is None else str(session),
-        session_end=bool(extra.get("kvfabric_session_end", False)),
-    )
-
-
-def hinted(request: Any) -> bool:
-    """Whether the client named a family or a session (the admission gate trusts such requests)."""
-    extra = _extra_args(request)
-    return bool(extra.get("kvfabric_family") or extra.get("kvfabric_session"))
-
-
-def named_family(request: Any, from_request_id: bool = False) -> str | None:
-    """The family the request itself names: its ``kvfabric_family`` hint, else (opted in) its request id's part
-    before the first ``/``; None when it names none."""
-    hint = _extra_args(request).get("kvfabric_family")
-    if hint:
-        return str(hint)
-    if from_request_id:
-        rid = getattr(request, "request_id", "")
-        if "/" in rid:
-            return rid.split("/", 1)[0]
-    return None
 
 
 def _block_family(block_hash: Any) -> str | None:

@@ -1,10 +1,11 @@
-"""Call records: what the hook writes on vLLM's scheduler thread, one compact tuple per vLLM call.
+"""Call records: what the engine writes on vLLM's scheduler thread, one compact tuple per vLLM call.
 
 The scheduler thread pays for one tuple per ``allocate`` / ``touch`` / ``free`` / ``cache`` call, holding the
 block ids (and, where a call makes or checks content, vLLM's raw block hashes) of that call, as vLLM's own
 ``BlockStored`` events carry lists per call. Turning records into per-block events, the side table and every
 derived column (hit count, share degree, family of a block, rebuilt and regretful evictions) is the lifecycle
-expander's work (:mod:`kvfabric.hook.lifecycle`), done in the forwarder process, off vLLM's GIL.
+expander's work (:mod:`kvfabric.lifecycle.expander`), done in the forwarder process, off vLLM's GIL. This module is
+the layout both sides agree on; it imports nothing.
 
 A record is a plain tuple of ints, strings, bytes, floats, None and lists of those (``marshal`` serialises a
 step's records in one C call). Its first item is the op code; layouts:
@@ -69,3 +70,12 @@ def events_in(record: tuple) -> int:
     if record[0] == ALLOCATED and record[5]:
         return len(record[at]) + 1  # (and its eviction_candidates_ranked row)
     return len(record[at])
+
+
+def expand_report(ids: list[int], scores: list[float] | float,
+                  flags: list[bool] | bool) -> tuple[list[float], list[bool]]:
+    """A ``SCORED`` record's scores and flags for ``ids`` as two lists, whichever form it came in (one per block,
+    or one score and one flag standing for every block: ``EvictionPolicy.report``'s uniform form)."""
+    if isinstance(scores, list):
+        return scores, flags  # type: ignore[return-value]
+    return [scores] * len(ids), [bool(flags)] * len(ids)

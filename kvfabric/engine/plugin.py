@@ -19,15 +19,15 @@ import logging
 from typing import Any
 
 import kvfabric
-from kvfabric import protocol as P
-from kvfabric import schema as S
-from kvfabric.config import HookSettings, load_hook_settings
+from kvfabric.contract import protocol as P
+from kvfabric.contract import schema as S
+from kvfabric.engine.config import HookSettings, load_hook_settings
 
-log = logging.getLogger("kvfabric.hook")
+log = logging.getLogger("kvfabric.engine")
 
 announce_log = logging.getLogger("vllm.kvfabric")
 """The logger of :func:`announce`: a child of vLLM's ``vllm`` logger, so vLLM's handler prints it in vLLM's format
-at vLLM's level. ``kvfabric.hook`` has no handler in a vLLM process: its INFO lines are printed nowhere."""
+at vLLM's level. ``kvfabric.engine`` has no handler in a vLLM process: its INFO lines are printed nowhere."""
 
 PROBE_TIMEOUT_S = 1.0
 """Bound on the start-up check that a collector listens (one connect on a Unix socket: microseconds when it does,
@@ -44,6 +44,8 @@ def register() -> None:
             log.warning("kvfabric: %s", warning)
         if not settings.active:
             return
+        # (Imported here: vLLM loads this module in every process, and with KVFabric off nothing of vLLM's
+        # scheduler needs importing; the import also keeps this module loadable without vLLM, for tests.)
         from vllm.v1.core.sched.scheduler import Scheduler
 
         wrap_scheduler_class(Scheduler)
@@ -61,7 +63,9 @@ def wrap_scheduler_class(cls: type, settings: HookSettings | None = None) -> Non
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         try:
-            from kvfabric.hook.install import install
+            # (Imported here, in the process that owns the scheduler: the API server process loads the plugin too
+            # and never needs the engine's machinery, policies and compiled parts.)
+            from kvfabric.engine.install import install
 
             # Settings are read here, in the process that owns the scheduler, not at registration time.
             active = settings if settings is not None else load_hook_settings()
@@ -86,7 +90,7 @@ def unwrap_scheduler_class(cls: type) -> None:
 
 def collector_answer(settings: HookSettings) -> str:
     """What the line says about the collector: whether one answered on the sink's socket (a connect, nothing sent:
-    :func:`kvfabric.protocol.probe_listener`), or that the sink has none."""
+    :func:`kvfabric.contract.protocol.probe_listener`), or that the sink has none."""
     sink = settings.sink
     if not settings.lifecycle or sink == "none":
         return "no collector (nothing is sent)"

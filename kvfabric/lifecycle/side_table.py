@@ -4,9 +4,9 @@ vLLM's ``KVCacheBlock`` has ``__slots__``, so per-block knowledge lives here, in
 (O(1), no per-block objects). Three owners keep one each, through the same operations, so the statistics a policy
 reads mean the same thing everywhere:
 
-* the lifecycle expander (:mod:`kvfabric.hook.lifecycle`), in the forwarder process (or in-process for replays
+* the lifecycle expander (:mod:`kvfabric.lifecycle.expander`), in the forwarder process (or in-process for replays
   and tests), turns vLLM's calls into events and fills every column of a block event from here;
-* steering (:mod:`kvfabric.hook.steering`), inside vLLM's scheduler process, only when a policy needs statistics;
+* steering (:mod:`kvfabric.engine.steering`), inside vLLM's scheduler process, only when a policy needs statistics;
 * the offline replay (:mod:`kvfabric.sim.offline`), which models the prefix cache without vLLM.
 
 Invariants:

@@ -31,7 +31,7 @@ ago (out-of-order arrival between two connections of one stream).
 When the handshake happens: the hook's forwarder connects, sends its schema and waits for HELLO as soon as it
 starts (when vLLM builds the scheduler), before any request, and holds the connection while the engine is idle,
 reconnecting whenever it ends. The collector lists the streams it holds (``GET /api/v1/engines``, ``kvfabric
-status``) from their schema metadata: the keys of :mod:`kvfabric.schema`, plus the optional :data:`META_HOST`,
+status``) from their schema metadata: the keys of :mod:`kvfabric.contract.schema`, plus the optional :data:`META_HOST`,
 :data:`META_PID` and :data:`META_KVFABRIC_VERSION` (absent from older hooks: shown as unknown).
 """
 
@@ -186,3 +186,27 @@ def probe_listener(socket_path: str, timeout_s: float = 1.0) -> str | None:
         return untrusted_listener(peer_credentials(sock), socket_path)
     finally:
         sock.close()
+
+
+DEFAULT_SOCKET_NAME = "kvfabric.sock"
+
+
+def default_socket_path() -> str:
+    """Where the engine's sink and the collector meet by default: a directory private to this user.
+
+    ``$XDG_RUNTIME_DIR/kvfabric/kvfabric.sock`` when ``$XDG_RUNTIME_DIR`` is a directory of this user (systemd
+    creates it per login, mode 0700), else ``/tmp/kvfabric-<uid>/kvfabric.sock``. The collector creates the
+    directory 0700 and refuses one that another user owns or may write to. Never a shared path such as
+    ``/tmp/kvfabric.sock``: any local user could listen there first and receive a run's metadata and events (the
+    sink also refuses a listener of another user: see :func:`untrusted_listener`).
+    """
+    uid = os.geteuid()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        try:
+            st = os.stat(runtime)
+        except OSError:
+            st = None
+        if st is not None and os.path.isdir(runtime) and st.st_uid == uid:
+            return os.path.join(runtime, "kvfabric", DEFAULT_SOCKET_NAME)
+    return os.path.join("/tmp", f"kvfabric-{uid}", DEFAULT_SOCKET_NAME)

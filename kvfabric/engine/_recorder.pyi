@@ -1,4 +1,4 @@
-"""Type stub of the hook's compiled parts (kvfabric/hook/_recorder.c; see compiled.py)."""
+"""Type stub of the engine's compiled part (kvfabric/engine/_recorder.c; see compiled.py)."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,3 +12,6 @@ class Hook:
     def __init__(self, method: str, original: Callable[..., Any], slow: Callable[..., Any], recorder: Any,
                  owner: Any, hash_name: str, hash_block_size: int | None, handover_records: int, op: int) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+def freed_candidates(ids: list[int], refs: list[int], blocks: list[Any], field: str, null: int, chain: bool,
+                     names: list[Any] | None, hash64: Callable[[Any], Any]) -> tuple[list[int], list[int] | None]: ...

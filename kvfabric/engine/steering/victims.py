@@ -1,8 +1,4 @@
-"""Steering: the parts of the hook that change vLLM's decisions (eviction order, admission, scheduling order).
-
-``install()`` calls :func:`attach_steering` only when ``settings.steers``: a policy other than ``lru``, the
-admission gate, or cache-aware scheduling. Plain ``lru`` never reaches this module, so vLLM's own order is
-untouched in that mode (docs/design.md §3).
+"""Victims: the policy's eviction order, handed out by vLLM's own free list (docs/design.md §3).
 
 Eviction order: the policy's :class:`~kvfabric.policies.index.VictimIndex` holds the cached free blocks in
 eviction order beside vLLM's free list, which stays the single truth about which blocks are free, in vLLM's order.
@@ -29,7 +25,7 @@ every candidate (counted in ``stale``), and a stale entry of a block freed again
 the recorder stops (it failed), frees and touches are no longer seen, so the index is dropped and vLLM's order takes
 over (:meth:`Steering.stop_index`).
 
-Invariants (``tests/test_steering*.py`` checks them through vLLM's real BlockPool under random operations):
+Invariants (``tests/engine/test_steering.py`` checks them through vLLM's real BlockPool under random operations):
   * the null block is never queued, hashed or freed (it is never sealed, so the index never takes it);
   * a block is in the free list exactly when its ref count is 0; along vLLM's own paths the index only holds
     blocks that are in the list (and every candidate is re-validated before it is handed out);
@@ -38,44 +34,35 @@ Invariants (``tests/test_steering*.py`` checks them through vLLM's real BlockPoo
   * descendants leave before ancestors (the index's rule) where the policy reorders;
   * cost per allocation: O(log n) (heap) or O(1) (segments), never a scan of the list.
 
-Statistics: a policy reads block statistics from a :class:`~kvfabric.hook.lifecycle.StatisticsKeeper`, which
+Statistics: a policy reads block statistics from a :class:`~kvfabric.lifecycle.keeper.StatisticsKeeper`, which
 applies the recorder's call records as they are made (the same side-table code the forwarder runs), with
 ``last_use`` on the index's logical clock.
 
-Request context: the free wrapper puts the freeing request's :class:`~kvfabric.policies.base.RequestInfo` where
-:meth:`Steering.freed` finds it when that free's ``FREED`` record arrives, and the index passes it to the policy's
-key.
-
-Admission: :class:`~kvfabric.policies.admission.AnchorAdmissionGate` on ``recorder.gate``; install.py passes its
-mask to ``cache_full_blocks``.
-
-Cache-aware scheduling (``KVFABRIC_CACHE_AWARE_SCHEDULING=1``, off by default): a waiting request whose next
-uncached block is being prefilled right now by a running request is held back (skipped for this step) until that
-request has sealed the shared blocks, so it hits them instead of computing them a second time. See
-:class:`CacheAwareHold`.
+Request context: the engine's one ``KVCacheManager.free`` wrapper enters steering's observer
+(:class:`~kvfabric.engine.steering.attach.PolicyContext`), which puts the freeing request's
+:class:`~kvfabric.policies.base.RequestInfo` where :meth:`Steering.freed` finds it when that free's ``FREED``
+record arrives; the index passes it to the policy's key.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from kvfabric import schema as S
-from kvfabric.config import HookSettings
-from kvfabric.hook import records as R
-from kvfabric.hook.hints import request_info
-from kvfabric.hook.install import hash_attribute
-from kvfabric.hook.lifecycle import StatisticsKeeper
-from kvfabric.policies import make_policy
+from kvfabric.contract import records as R
+from kvfabric.contract import schema as S
+from kvfabric.engine import compiled
+from kvfabric.engine.steering.hold import CacheAwareHold
+from kvfabric.lifecycle.keeper import StatisticsKeeper
 from kvfabric.policies.admission import AnchorAdmissionGate
 from kvfabric.policies.base import EvictionPolicy, RequestInfo
-from kvfabric.policies.index import VictimIndex, make_index
+from kvfabric.policies.index import VictimIndex
 
-log = logging.getLogger("kvfabric.hook")
+log = logging.getLogger("kvfabric.engine")
+
 
 class Steering:
     """What steering attached to one pool: the policy, its index and statistics, the gate, the hold; counters."""
@@ -86,7 +73,7 @@ class Steering:
         self.policy = policy
         self.index = index
         self.keeper = keeper
-        self.gate: AnchorAdmissionGate | None = None
+        self.gate: AnchorAdmissionGate | None = None  # (its vLLM seam: steering.admission.AdmissionSeam)
         self.hold: CacheAwareHold | None = None
         self.ctx: RequestInfo | None = None  # the request whose blocks vLLM is freeing right now
         self.blocks: list[Any] = []  # the pool's blocks, by id
@@ -138,12 +125,11 @@ class Steering:
                 # Blocks coming back to the list were not in it: an entry they still have is stale (see above).
                 index.discard_all(ids)
             ids, keys = index.add_many(ids, self.ctx, parents)
-            pending = self.recorder.log
-            if ids and pending is not None:
+            if ids and self.reports:
                 # Reported only: what reads scores and flags (event rows, ``eviction_candidates_ranked``) is the
                 # expander, which keeps them in its own side table.
                 scores, flags = index.policy.report(index.owner.table, ids, keys, index.now)
-                pending.append((R.SCORED, ids, scores, flags))
+                self.recorder.note((R.SCORED, ids, scores, flags))
         except Exception:
             self.failed("add")
 
@@ -198,7 +184,8 @@ def freed_candidates_py(ids: list[int], refs: list[int], blocks: list[Any], fiel
     and holding cached content (vLLM's hash, attribute ``field`` of ``blocks[b]``, not None), in the free's order.
     With ``chain``, each one's parent block too: the id after it in the free (-1 for the last, and for the null
     block). Where ``names`` is given, ``names[b] = hash64(hash)`` for each candidate. Returns (candidates,
-    parents or None). The compiled ``_order.freed_candidates`` is the same function in one pass (tested)."""
+    parents or None). The compiled :data:`freed_candidates` (``kvfabric/engine/_recorder.c``) is the same function
+    in one pass (tested)."""
     read = attrgetter(field)
     out: list[int] = []
     parents: list[int] | None = [] if chain else None
@@ -218,10 +205,8 @@ def freed_candidates_py(ids: list[int], refs: list[int], blocks: list[Any], fiel
     return out, parents
 
 
-try:
-    from kvfabric.policies._order import freed_candidates
-except ImportError:  # (not built: see kvfabric/policies/native_index.py)
-    freed_candidates = freed_candidates_py
+freed_candidates = compiled.freed_candidates if compiled.freed_candidates is not None else freed_candidates_py
+"""A free's candidates: the compiled copy where built, else :func:`freed_candidates_py`."""
 
 
 def hook_queue(queue: Any, steering: Steering) -> None:
@@ -316,16 +301,8 @@ def _popleft_n(self: Any, n: int) -> list[Any]:
     if chosen:
         st.victims += len(chosen)
         if st.ranked:
-            _report_victims(st.recorder, chosen)
+            st.recorder.report_victims(chosen)
     return out
-
-
-def _report_victims(r: Any, chosen: list[int]) -> None:
-    """The allocation in progress evicted ``chosen`` by the policy's choice: its ``ALLOCATED`` record says so."""
-    if r.victims is None:
-        r.victims = chosen
-    else:  # (a second hand-out within one allocation)
-        r.victims += chosen
 
 
 def _evict_one(self: Any, st: Steering) -> Any | None:
@@ -360,7 +337,7 @@ def _evict_one(self: Any, st: Steering) -> Any | None:
         except Exception:
             st.failed("victim choice")
     if st.ranked:
-        _report_victims(st.recorder, [b])
+        st.recorder.report_victims([b])
     return blk
 
 
@@ -369,195 +346,3 @@ QUEUE_HOOKS: dict[str, Callable[..., Any]] = {
     "popleft_n": _popleft_n,
 }
 """The methods :func:`hook_queue` binds onto the queue instance, by the name vLLM calls."""
-
-
-def _iter_digests(hashes: Any, start: int) -> Iterator[int]:
-    """64-bit digests of ``hashes[start:]``, computed lazily (policies stop at the first one they do not know)."""
-    for i in range(start, len(hashes)):
-        h = S.hash64(hashes[i])
-        if h is None:
-            return
-        yield h
-
-
-def _ending_info(request: Any, info_of: Callable[[Any], RequestInfo]) -> RequestInfo:
-    """The freeing request's context. A preempted request is freed too, and will be back: only a finished one
-    ends its session."""
-    info = info_of(request)
-    if info.session_end:
-        is_finished = getattr(request, "is_finished", None)
-        if callable(is_finished) and not is_finished():
-            info = RequestInfo(info.request_id, info.family, info.session, False, info.position)
-    return info
-
-
-def _wrap_manager_for_policy(manager: Any, steering: Steering, block_size: int,
-                             info_of: Callable[[Any], RequestInfo]) -> None:
-    """Per-request policy observers: admission (ghost judgement, on the recorder's admission path, which
-    ``allocate_slots`` takes only for requests with nothing computed) and the context of a free."""
-    free = manager.free
-    policy = steering.policy
-    assert policy is not None
-
-    def observe_admission(request: Any, hit_tokens: int) -> None:
-        try:
-            hit = hit_tokens // block_size
-            hashes = request.block_hashes
-            policy.on_request_started(info_of(request), hit, len(hashes), _iter_digests(hashes, hit))
-        except Exception:
-            steering.failed("admission observer")
-
-    @functools.wraps(free)
-    def kvfabric_policy_free(request: Any, *args: Any, **kwargs: Any) -> Any:
-        prev = steering.ctx
-        try:
-            steering.ctx = _ending_info(request, info_of)
-        except Exception:
-            steering.failed("free observer")
-            steering.ctx = None
-        try:
-            return free(request, *args, **kwargs)
-        finally:
-            steering.ctx = prev
-
-    if type(policy).on_request_started is not EvictionPolicy.on_request_started:
-        steering.recorder.fresh_observers.append(observe_admission)  # a policy that learns from admissions
-    manager.free = kvfabric_policy_free
-
-
-class CacheAwareHold:
-    """Hold back a waiting request while a running request prefills the blocks it is about to need.
-
-    Rule, for a fresh waiting request R and each running request P still in its prompt: let ``g`` be the number of
-    P's blocks already hashed (sealed, including this step's chunk). If R's block ``g`` is P's block ``g`` (equal
-    chained hashes: the whole prefix up to ``g`` is shared) and no cached copy of it exists, R would compute blocks
-    P is about to produce, so R is skipped for this step (vLLM's own "skip" path: it keeps its place in the queue).
-    O(running prefills) per waiting request, no scan of blocks. R is released as soon as P passes the point where
-    they diverge, finishes its prompt, or stops running, so a hold lasts at most one prefill.
-    """
-
-    def __init__(self, scheduler: Any, pool: Any, block_size: int) -> None:
-        self.scheduler = scheduler
-        self.pool = pool
-        self.block_size = block_size
-        self.held_steps = 0  # (request, step) pairs held
-        self.held_requests: set[str] = set()
-        self.errors = 0
-        self._managers = self._single_type_managers(scheduler)
-
-    @staticmethod
-    def _single_type_managers(scheduler: Any) -> list[Any]:
-        coord = getattr(getattr(scheduler, "kv_cache_manager", None), "coordinator", None)
-        return list(getattr(coord, "single_type_managers", ()) or ())
-
-    def _sealed_blocks(self, p: Any) -> int:
-        for m in self._managers:
-            n = getattr(m, "num_cached_block", None)
-            if n is not None:
-                return int(n.get(p.request_id, 0))
-        return p.num_computed_tokens // self.block_size
-
-    def should_hold(self, request: Any) -> bool:
-        if request.num_computed_tokens != 0:
-            return False
-        r_hashes = request.block_hashes
-        if not r_hashes:
-            return False
-        bs = self.block_size
-        for p in self.scheduler.running:
-            if p is request or p.num_computed_tokens >= p.num_prompt_tokens:
-                continue
-            g = self._sealed_blocks(p)
-            if g >= len(r_hashes) or g >= p.num_prompt_tokens // bs or g >= len(p.block_hashes):
-                continue
-            if r_hashes[g] != p.block_hashes[g]:
-                continue
-            if self.pool.get_cached_block(r_hashes[g], [0]) is not None:
-                continue  # another copy is cached already: nothing to wait for
-            return True
-        return False
-
-    def attach(self) -> None:
-        original = self.scheduler._handle_blocked_waiting_request
-
-        @functools.wraps(original)
-        def kvfabric_handle_blocked_waiting_request(request: Any) -> bool:
-            ready = original(request)
-            if not ready:
-                return ready
-            try:
-                if self.should_hold(request):
-                    self.held_steps += 1
-                    self.held_requests.add(request.request_id)
-                    return False
-            except Exception:
-                self.errors += 1
-                if self.errors == 1:
-                    log.exception("kvfabric: cache-aware scheduling failed; requests are no longer held")
-            return True
-
-        self.scheduler._handle_blocked_waiting_request = kvfabric_handle_blocked_waiting_request
-
-
-def attach_steering(
-    scheduler: Any,
-    manager: Any,
-    installation: Any,
-    settings: HookSettings,
-    policy: EvictionPolicy | None = None,
-    *,
-    info_of: Callable[[Any], RequestInfo] = request_info,
-) -> Steering:
-    """Attach what ``settings`` asks for (policy, gate, cache-aware scheduling) to one manager's pool.
-
-    ``policy`` overrides ``settings.policy`` (the replay's optimum). ``scheduler`` may be None (a bare
-    KVCacheManager, as in tests): cache-aware scheduling then has nothing to attach to. ``info_of`` reads a
-    request's context (the replay adds its trace position). The returned :class:`Steering` is also kept as
-    ``pool._kvfabric_steering``.
-    """
-    pool = manager.block_pool
-    recorder = installation.recorder
-    block_size = installation.block_size
-    if policy is None and settings.policy != "lru":
-        policy = make_policy(settings.policy, settings)
-    index = None
-    keeper = None
-    if policy is not None:
-        num_blocks = int(pool.num_gpu_blocks)
-        null_block = int(getattr(getattr(pool, "null_block", None), "block_id", 0) or 0)
-        clock: list[VictimIndex] = []
-        keeper = StatisticsKeeper(num_blocks, lambda: clock[0].now, null_block, policy.reads)
-        index = make_index(policy, keeper, num_blocks, native=settings.native)
-        clock.append(index)
-        recorder.keeper = keeper
-    steering = Steering(recorder, policy, index, keeper)
-    if policy is not None and index is not None and keeper is not None:
-        queue = pool.free_block_queue
-        steering.blocks = pool.blocks
-        steering.hash_attr = hash_attribute(pool.blocks)
-        steering.hash_field = steering.hash_attr == "_block_hash"
-        steering.candidates = freed_candidates if settings.native else freed_candidates_py
-        steering.null_block = null_block
-        hook_queue(queue, steering)
-        keeper.follow(R.FREED, steering.freed)
-        keeper.follow(R.TOUCHED, steering.touched)
-        # Cached blocks already free (a hook installed on a warm pool) become candidates, in the list's order.
-        # (Taken as one free of them, by no request: the same selection, naming and order as any free's.)
-        free_now = [blk.block_id for blk in queue.get_all_free_blocks()]
-        steering.freed((R.FREED, 0, 0, None, free_now, [0] * len(free_now)))
-        _wrap_manager_for_policy(manager, steering, block_size, info_of)
-    if settings.admission_gate_on:
-        steering.gate = AnchorAdmissionGate(settings.admission_anchor_blocks)
-        recorder.gate = steering.gate
-    if settings.cache_aware_scheduling and scheduler is not None:
-        steering.hold = CacheAwareHold(scheduler, pool, block_size)
-        steering.hold.attach()
-    pool._kvfabric_steering = steering
-    log.info(
-        "kvfabric: steering attached (policy=%s, index=%s, admission_anchor_blocks=%s, cache_aware_scheduling=%s)",
-        policy.name if policy is not None else "lru",
-        type(index).__name__ if index is not None else "none",
-        settings.admission_anchor_blocks if steering.gate is not None else "off",
-        steering.hold is not None,
-    )
-    return steering

@@ -1,7 +1,7 @@
-"""Outlets: where a step's records go when the scheduler thread hands them over (once per step).
+"""The hand-over: where the recorder's records go when vLLM's scheduler thread hands them over (:class:`Outlet`).
 
 * :class:`RingOutlet` (``unix://`` and ``jsonl://`` sinks): serialise the step's records with ``marshal`` (one C
-  call) into the shared-memory ring (:mod:`kvfabric.hook.ring`) read by the forwarder process, which expands them
+  call) into the shared-memory ring (:mod:`kvfabric.contract.ring`) read by the forwarder process, which expands them
   into events and ships them. It starts the forwarder, checks on it once a second, restarts it with backoff if it
   died, and counts what could not be handed over.
 * :class:`LocalOutlet`: expand in-process, rows kept for the caller to :meth:`~Outlet.drain` (replays, tests).
@@ -24,12 +24,11 @@ import threading
 import time
 from typing import Any
 
-from kvfabric import schema as S
-from kvfabric.hook import records as R
-from kvfabric.hook.lifecycle import Lifecycle
-from kvfabric.hook.ring import W_ACCOUNTED, W_CLOSING, W_CONSUMER, W_EXPANDED, Ring
+from kvfabric.contract import records as R
+from kvfabric.contract.ring import W_ACCOUNTED, W_CLOSING, W_CONSUMER, W_EXPANDED, Ring
+from kvfabric.lifecycle.expander import Expander, expander_from_metadata
 
-log = logging.getLogger("kvfabric.hook")
+log = logging.getLogger("kvfabric.engine")
 
 BYTES_PER_EVENT = 48
 """Ring bytes budgeted per buffered event: ``KVFABRIC_BUFFER_EVENTS`` x this is the ring's size (at least
@@ -57,8 +56,8 @@ class Outlet:
         raise TypeError(f"the {self.name} outlet keeps no rows: build the hook with outlet='local' to drain them")
 
     @property
-    def expander(self) -> Lifecycle | None:
-        """The lifecycle expander running in this process (replays read its counters), or None."""
+    def expander(self) -> Expander | None:
+        """The expander running in this process (replays read its counters), or None."""
         return None
 
     def close(self) -> None:
@@ -82,20 +81,20 @@ class LocalOutlet(Outlet):
     def __init__(self, metadata: dict[str, str], settings: Any) -> None:
         super().__init__()
         self.rows: list[tuple] = []
-        self.lifecycle = lifecycle_from_metadata(metadata, self.rows.append)
+        self.expanding = expander_from_metadata(metadata, self.rows.append)
 
     def put(self, records: list[tuple]) -> None:
         self.records += len(records)
-        self.lifecycle.apply(records)
+        self.expanding.apply(records)
 
     def drain(self) -> list[tuple]:
         rows, self.rows = self.rows, []
-        self.lifecycle.emit = self.rows.append
+        self.expanding.emit = self.rows.append
         return rows
 
     @property
-    def expander(self) -> Lifecycle | None:
-        return self.lifecycle
+    def expander(self) -> Expander | None:
+        return self.expanding
 
 
 class TeeOutlet(Outlet):
@@ -118,8 +117,8 @@ class TeeOutlet(Outlet):
         return self.local.drain()
 
     @property
-    def expander(self) -> Lifecycle | None:
-        return self.local.lifecycle
+    def expander(self) -> Expander | None:
+        return self.local.expanding
 
     def close(self) -> None:
         self.remote.close()
@@ -134,21 +133,6 @@ class TeeOutlet(Outlet):
 
     def describe(self) -> str:
         return f"local + {self.remote.describe()}"
-
-
-def lifecycle_from_metadata(metadata: dict[str, str], emit: Any) -> Lifecycle:
-    """The expander for one stream, configured from its metadata (the forwarder gets nothing else)."""
-    extra = json.loads(metadata.get(S.META_SETTINGS, "{}") or "{}")
-    return Lifecycle(
-        num_blocks=int(metadata[S.META_NUM_BLOCKS]),
-        emit=emit,
-        engine=metadata[S.META_ENGINE],
-        run_id=metadata[S.META_RUN_ID],
-        policy=metadata[S.META_POLICY],
-        null_block=int(extra.get("null_block", 0)),
-        evicted_memory=int(extra.get("evicted_memory", 1_000_000)),
-        regret_window_s=float(extra.get("regret_window_s", 60.0)),
-    )
 
 
 class RingOutlet(Outlet):
@@ -192,7 +176,7 @@ class RingOutlet(Outlet):
             return
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvfabric.hook.forwarder", "--ring-fd", str(self.ring.fd),
+                [sys.executable, "-m", "kvfabric.forwarder", "--ring-fd", str(self.ring.fd),
                  "--ring-capacity", str(self.ring.capacity), "--sink", self.sink,
                  "--batch-events", str(self.batch_events), "--flush-ms", str(self.flush_ms),
                  "--buffer-events", str(self.buffer_events), "--metadata", json.dumps(self.metadata)],

@@ -1,4 +1,4 @@
-"""The hook's settings, read from the environment (a vLLM general plugin receives no arguments).
+"""The engine's settings, read from the environment (a vLLM general plugin receives no arguments).
 
 Every variable is declared in :data:`kvfabric.settings.SETTINGS` (type, default, accepted values) and parsed by
 :func:`kvfabric.settings.read`. Unset ``KVFABRIC_LIFECYCLE``, ``KVFABRIC_LIFECYCLE_LOG_PATH`` and
@@ -13,33 +13,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvfabric.contract.protocol import default_socket_path
 from kvfabric.settings import BY_NAME, SETTINGS, is_set, read, shown
-
-DEFAULT_SOCKET_NAME = "kvfabric.sock"
-DEFAULT_HTTP_HOST = "127.0.0.1"
-DEFAULT_HTTP_PORT = 8321
-DEFAULT_DB_PATH = "kvfabric.duckdb"
-
-
-def default_socket_path() -> str:
-    """Where the hook's sink and the collector meet by default: a directory private to this user.
-
-    ``$XDG_RUNTIME_DIR/kvfabric/kvfabric.sock`` when ``$XDG_RUNTIME_DIR`` is a directory of this user (systemd
-    creates it per login, mode 0700), else ``/tmp/kvfabric-<uid>/kvfabric.sock``. The collector creates the
-    directory 0700 and refuses one that another user owns or may write to. Never a shared path such as
-    ``/tmp/kvfabric.sock``: any local user could listen there first and receive a run's metadata and events (the
-    sink also refuses a listener of another user: see :func:`kvfabric.protocol.untrusted_listener`).
-    """
-    uid = os.geteuid()
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime):
-        try:
-            st = os.stat(runtime)
-        except OSError:
-            st = None
-        if st is not None and os.path.isdir(runtime) and st.st_uid == uid:
-            return os.path.join(runtime, "kvfabric", DEFAULT_SOCKET_NAME)
-    return os.path.join("/tmp", f"kvfabric-{uid}", DEFAULT_SOCKET_NAME)
 
 
 @dataclass(frozen=True)
@@ -101,6 +76,7 @@ def _policy_model(env: Mapping[str, str], policy: str, warnings: list[str]) -> s
     path = read("KVFABRIC_POLICY_MODEL", env, warnings)
     if not path and policy != "learned":
         return ""
+    # (Imported only when a model is asked for: most processes never read one.)
     from kvfabric.policies.reuse_model import load_model
 
     if path:

@@ -1,40 +1,21 @@
-"""The forwarder: a child process that turns the hook's call records into events and ships them.
-
-vLLM's scheduler thread only copies each step's records (``marshal``, one C call) into a shared-memory ring
-(:mod:`kvfabric.hook.ring`). This process, on another core and with its own GIL, reads the ring, expands records
-into per-block event rows with the side table (:class:`~kvfabric.hook.lifecycle.Lifecycle`), converts them to
-Arrow and streams them to the collector over its Unix socket (or appends JSONL), with reconnects and backoff
-(:mod:`kvfabric.hook.sinks`).
-
-Start-up: ``--ring-fd`` is the ring's memfd, inherited from the parent; ``--metadata`` the stream metadata. A
-``unix://`` sink connects at once and says who it is (schema metadata, answered by the collector's HELLO) before
-the engine has any request: that is how ``kvfabric status`` lists an engine that is on but idle.
-Shutdown: when the parent sets the ring's closing word (or dies), drain the ring, flush the sink, exit.
-
-Loss stays counted end to end: the parent reports what it could not hand over (a full ring) as ``LOST`` records,
-this process reports what it cannot deliver as ``sink_dropped`` rows, and it publishes in the ring's header how
-many events it expanded and how many are accounted for (delivered, or lost and reported), so that if it dies the
-parent counts the difference.
-"""
+"""The forwarder's loop: read the ring, expand each message's records into event rows (the lifecycle expander),
+append them to the buffer the sink thread drains; publish the accounting words of the ring's header."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import marshal
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 
-from kvfabric.hook.buffer import EventBuffer
-from kvfabric.hook.outlets import lifecycle_from_metadata
-from kvfabric.hook.ring import W_ACCOUNTED, W_CLOSING, W_CONSUMER, W_EXPANDED, Ring
-from kvfabric.hook.sinks import JsonlSink, Sink, UnixArrowSink
+from kvfabric.contract.ring import W_ACCOUNTED, W_CLOSING, W_CONSUMER, W_EXPANDED, Ring
+from kvfabric.forwarder.buffer import EventBuffer
+from kvfabric.forwarder.sinks import JsonlSink, Sink, UnixArrowSink
+from kvfabric.lifecycle.expander import expander_from_metadata
 
-log = logging.getLogger("kvfabric.hook")
+log = logging.getLogger("kvfabric.forwarder")
 
 POLL_S = 0.005  # an empty ring is polled every 5 ms: events reach the sink within a step or two
 
@@ -69,10 +50,10 @@ def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: 
     parent = os.getppid()
     # Room for one whole step beyond the backpressure bound, so that this buffer itself never has to drop.
     buffer = EventBuffer(buffer_events + 1_000_000, batch_events)
-    lifecycle = lifecycle_from_metadata(metadata, buffer.append)
+    expander = expander_from_metadata(metadata, buffer.append)
 
     def dropped_row(count: int) -> tuple:
-        return lifecycle.dropped_row(count, time.time_ns())
+        return expander.dropped_row(count, time.time_ns())
 
     sink: Sink
     if sink_spec.startswith("jsonl://"):
@@ -103,8 +84,8 @@ def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: 
                 undecodable += 1
                 buffer.append(dropped_row(1))  # one message lost; at least one event: counted, not guessed
                 continue
-            lifecycle.apply(records)
-            ring.set_word(W_EXPANDED, lifecycle.events + undecodable)
+            expander.apply(records)
+            ring.set_word(W_EXPANDED, expander.events + undecodable)
             # Backpressure, never a second place that drops: while the collector is slow or away, stop reading.
             # The ring fills, and the parent counts what it cannot hand over.
             while len(buffer) > buffer_events:
@@ -116,31 +97,3 @@ def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: 
         sink.close(timeout=30.0)
         publish()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvfabric.hook.forwarder", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ring-fd", type=int, required=True)
-    ap.add_argument("--ring-capacity", type=int, required=True)
-    ap.add_argument("--sink", required=True, help="unix:///path/to.sock or jsonl:///path")
-    ap.add_argument("--metadata", required=True, help="the stream metadata, a JSON object")
-    ap.add_argument("--batch-events", type=int, default=4096)
-    ap.add_argument("--flush-ms", type=int, default=100)
-    ap.add_argument("--buffer-events", type=int, default=1_000_000)
-    ap.add_argument("--nice", type=int, default=10, help="scheduling niceness added to this process (default 10)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    if args.nice:
-        try:
-            # Background work: where cores are short, vLLM's engine loop gets them first. The ring absorbs a
-            # backlog; if it fills, the loss is counted (docs/reliability.md), never a stall of the scheduler.
-            os.nice(args.nice)
-        except OSError:
-            pass
-    ring = Ring(args.ring_fd, args.ring_capacity)
-    return forward(ring, args.sink, json.loads(args.metadata), args.batch_events, args.flush_ms, args.buffer_events)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
