@@ -3,7 +3,7 @@
 memory (RSS) and open file descriptors of every process involved must stay flat.
 
 Processes sampled every ``--interval`` seconds from /proc: the server (vLLM's API server), the EngineCore (where
-the hook runs: the Scheduler, the tracker, the sink thread), the hook's forwarder child, and the collector. The
+the engine runs: the Scheduler, the recorder), the hook's forwarder child, and the collector. The
 traffic mixes every session shape that holds state somewhere (hot/cold prefixes, long conversations, forks), with
 the KV pool under pressure so blocks are evicted and rebuilt all the time, and the policy steering.
 

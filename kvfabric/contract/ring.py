@@ -40,8 +40,8 @@ python      ``struct``: CPython's native ``Q`` is one       otherwise, on x86-64
 Without the compiled part on a CPU other than x86-64 (aarch64, ppc64le: stores may become visible out of order),
 :meth:`Ring.create` raises :class:`RingUnavailable` (an ``OSError``): the hook says so in one log line and sends
 no events, rather than let a consumer read bytes that are not there yet. Tested on x86-64, both orderings, with a
-producer and a consumer process on two cores (``tests/test_ring.py``); on aarch64 the acquire/release pairing is
-the C11 memory model's guarantee, not run.
+producer and a consumer process on two cores (``tests/contract/test_ring.py``); on aarch64 the acquire/release
+pairing is the C11 memory model's guarantee, not run.
 
 Invariants: the producer never overwrites unconsumed bytes (a message that does not fit is refused, and the
 caller counts it); the consumer never reads past the published write position; each word has one writer.

@@ -109,7 +109,7 @@ META_VLLM_VERSION = "kvfabric.vllm_version"
 META_BLOCK_SIZE = "kvfabric.block_size"
 META_NUM_BLOCKS = "kvfabric.num_blocks"
 META_POLICY = "kvfabric.policy"
-META_SETTINGS = "kvfabric.settings"  # JSON object of the policy/tracker settings
+META_SETTINGS = "kvfabric.settings"  # JSON object of the settings in force (HookSettings.as_metadata)
 REQUIRED_META: tuple[str, ...] = (
     META_SCHEMA_VERSION,
     META_STREAM_ID,

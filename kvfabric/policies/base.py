@@ -60,7 +60,7 @@ class BlockStats(Protocol):
 
 
 class TableOwner(Protocol):
-    """Anything holding the current statistics table as ``.table`` (the tracker replaces it on a cache reset)."""
+    """Anything holding the current statistics table as ``.table`` (the statistics keeper, the offline replay)."""
 
     table: Any
 
@@ -111,7 +111,7 @@ class EvictionPolicy(ABC):
     #: The :class:`BlockStats` columns the policy's :meth:`key`, :meth:`is_protected` and observers read. Inside
     #: vLLM the statistics keeper keeps only these (and the victim index's own) when they are all lean
     #: (:data:`kvfabric.lifecycle.side_table.LEAN_COLUMNS`): a column read but not declared may then be stale.
-    #: ``tests/test_policy_reads.py`` runs every built-in policy on a table that refuses undeclared columns.
+    #: ``tests/engine/test_policy_reads.py`` runs every built-in policy on a table that refuses undeclared columns.
     reads: ClassVar[frozenset[str]] = ALL_COLUMNS
 
     def __init__(self, settings: PolicySettings | None = None) -> None:

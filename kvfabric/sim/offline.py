@@ -91,7 +91,7 @@ def unique_blocks(trace: Sequence[TraceRequest], block_size: int) -> int:
 
 
 class _Owner:
-    """Holds the statistics table the way the tracker does (``.table``)."""
+    """Holds the statistics table the way the statistics keeper does (``.table``)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.table = SideTable(num_blocks)
