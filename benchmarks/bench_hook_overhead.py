@@ -51,6 +51,14 @@ MODES = ("plain", "off", "recording", "streaming", "adaptive_aging")
 _ENV = ("KVFABRIC_LIFECYCLE", "KVFABRIC_SINK", "KVFABRIC_RUN_ID", "KVFABRIC_EVICTION_POLICY")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far (0 when it cannot be read)."""
     from kvfabric.bench.servers import process_stats
@@ -228,7 +236,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kvf-bench-")
     sock = os.path.join(tmp, "c.sock")
     collector = CollectorProcess(CollectorConfig(db_path=os.path.join(tmp, "bench.duckdb"), socket_path=sock,
-                                                 port=0), log_path=os.path.join(tmp, "c.log"))
+                                                 port=_free_port()), log_path=os.path.join(tmp, "c.log"))
     collector.start()
     times: dict[str, list[float]] = {m: [] for m in MODES}  # scheduler-thread CPU seconds
     walls: dict[str, list[float]] = {m: [] for m in MODES}  # scheduler wall seconds
