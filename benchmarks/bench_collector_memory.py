@@ -37,7 +37,7 @@ def _rss_mib() -> float:
 def child(limit: str, rows: int) -> None:
     import pyarrow as pa
 
-    from kvfabric import schema as S
+    from kvfabric.contract import schema as S
     from kvfabric.ingest.store import open_database
 
     rng = random.Random(0)

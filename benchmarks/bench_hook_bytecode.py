@@ -15,7 +15,7 @@ the effects worth measuring here. They are not time: instructions differ in cost
 costs more than a local load), so a change is judged by both benchmarks, this one saying what changed and the
 timed one how much it was worth. Lifecycle events are recorded with sink ``none`` (the forwarder is another
 process: its work is not the scheduler thread's). Compiled code executes no bytecode: where the compiled parts
-are built (kvfabric/policies/native_index.py, kvfabric/hook/compiled.py), the victim index's work, the free path's
+are built (kvfabric/policies/native_index.py, kvfabric/engine/compiled.py), the victim index's work, the free path's
 one pass and the recording of the four frequent pool calls are not in these counts at all; the timed benchmark
 and ``bench_hook_calls.py`` see them (``KVFABRIC_NATIVE=0`` counts the Python code instead). Tracing makes a run
 ~30x slower (minutes per mode).

@@ -64,7 +64,7 @@ def _timed(samples: list[int], fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def in_place(steps: int | None) -> tuple[Any, dict[str, list[int]], int]:
     """Run the workload with steering's entry points timed. Returns the engine, the samples, steps run."""
-    from kvfabric.hook import records as R
+    from kvfabric.contract import records as R
     from kvfabric.sim.harness import SimulatedEngine
     from kvfabric.sim.workload import demo_workload
 

@@ -3,10 +3,10 @@
     python benchmarks/bench_hook_layout.py [--out benchmarks/results/hook_layout.md]
 
 1. A vLLM ``BlockPool`` read by vLLM's own code (``get_usage``, which the scheduler calls every step): plain, with
-   KVFabric's instance attributes (``kvfabric.hook.install.hook_pool``), and with its ``__class__`` swapped for a
+   KVFabric's instance attributes (``kvfabric.engine.install.hook_pool``), and with its ``__class__`` swapped for a
    subclass (the hook's former way: CPython 3.11 then keeps the object's attributes in a plain dict).
 2. Forwarding a call with vLLM's ``allocate_slots`` arguments: direct, through a wrapper generated with the exact
-   signature (``kvfabric.hook.forwarding``), and through a ``*args, **kwargs`` wrapper.
+   signature (``kvfabric.engine.signature``), and through a ``*args, **kwargs`` wrapper.
 
 Each figure is the best of 7 timings of 200,000 calls (ns per call), the variants interleaved.
 """
@@ -28,24 +28,26 @@ def _best_ns(fn: Any, number: int = 200_000, repeat: int = 7) -> float:
 
 
 def pool_reads() -> dict[str, float]:
-    from kvfabric.config import load_hook_settings
-    from kvfabric.hook import install as I
-    from kvfabric.hook.outlets import NullOutlet
+    from kvfabric.engine.config import load_hook_settings
+    from kvfabric.engine.handover import NullOutlet
+    from kvfabric.engine.install import Installation
+    from kvfabric.engine.pool import hook_pool
+    from kvfabric.engine.recorder import Recorder
     from kvfabric.sim.harness import build_scheduler
 
     pools = {name: build_scheduler(640, load_plugins=False).kv_cache_manager.block_pool
              for name in ("plain", "instance attributes (KVFabric)", "__class__ swapped")}
     settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none"})
-    recorder = I.Recorder(settings, True, 16)
-    I.Installation(recorder, NullOutlet(), {}, 640, 16)
-    I.hook_pool(pools["instance attributes (KVFabric)"], recorder)
+    recorder = Recorder(settings, True, 16)
+    Installation(recorder, NullOutlet(), {}, 640, 16)
+    hook_pool(pools["instance attributes (KVFabric)"], recorder)
     swapped = pools["__class__ swapped"]
     swapped.__class__ = type("SwappedBlockPool", (type(swapped),), {})
     return {name: _best_ns(pool.get_usage) for name, pool in pools.items()}
 
 
 def forwarding_costs() -> dict[str, float]:
-    from kvfabric.hook import forwarding
+    from kvfabric.engine import signature
 
     class Manager:
         def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -62,9 +64,9 @@ def forwarding_costs() -> dict[str, float]:
 
     original = Manager().allocate_slots
     ctx = Context()
-    exact = forwarding.request_context_wrapper(original, ctx, original, "exact")
+    exact = signature.request_context_wrapper(original, ctx, original, "exact")
 
-    star = forwarding.generic_wrapper(original, ctx, original)
+    star = signature.generic_wrapper(original, ctx, original)
 
     req = Request()
     return {

@@ -88,7 +88,7 @@ def build_engine(mode: str, sock: str, workload: list) -> tuple[Any, Any]:
     import vllm.plugins
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvfabric.hook.plugin import unwrap_scheduler_class
+    from kvfabric.engine.plugin import unwrap_scheduler_class
     from kvfabric.sim.harness import SimulatedEngine
 
     unwrap_scheduler_class(Scheduler)  # every mode starts from vLLM's own class; the plugin wraps it if asked
@@ -163,7 +163,7 @@ def run_round(modes: tuple[str, ...], sock: str, workload: list,
             proc = forwarders.get(m)
             if proc is not None:
                 # The forwarder's CPU for this run: once it has read everything handed to it (expanded, batched).
-                from kvfabric.hook.ring import W_READ, W_WRITE
+                from kvfabric.contract.ring import W_READ, W_WRITE
 
                 inst.flush()
                 ring = inst.outlet.ring
@@ -184,9 +184,9 @@ def per_op_cost(num_blocks: int, hooked: bool, cycles: int = 2000) -> float:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvfabric.config import load_hook_settings
-    from kvfabric.hook.install import build_hook
-    from kvfabric.hook.outlets import NullOutlet
+    from kvfabric.engine.config import load_hook_settings
+    from kvfabric.engine.handover import NullOutlet
+    from kvfabric.engine.install import build_hook
     from kvfabric.sim.harness import make_request
 
     cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[

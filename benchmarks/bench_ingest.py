@@ -33,8 +33,8 @@ import numpy as np
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfabric import schema as S
 from kvfabric.collector import CollectorConfig, CollectorProcess
+from kvfabric.contract import schema as S
 
 EVENT_MIX = [  # roughly the shape of a lifecycle stream: touches and ref-count changes dominate
     (S.BLOCK_TOUCHED, 0.25), (S.REF_COUNT_CHANGED, 0.2), (S.BLOCK_ALLOCATED, 0.12), (S.BLOCK_SEALED, 0.12),
@@ -46,7 +46,7 @@ EVENT_MIX = [  # roughly the shape of a lifecycle stream: touches and ref-count 
 def template(run_id: str, engine: str, rows: int, seed: int) -> dict[str, pa.Array]:
     """Columns of one realistic batch (seq and ts_ns are replaced per send).
 
-    Shaped like the hook's rows (kvfabric/hook/lifecycle.py): block events carry every block column (random 64-bit
+    Shaped like the hook's rows (kvfabric/lifecycle/expander.py): block events carry every block column (random 64-bit
     hashes, so nothing compresses for free), prefix_lookup rows carry the token columns, ``count`` and ``age_ns``
     are set only on the events that define them; request ids look like vLLM's.
     """

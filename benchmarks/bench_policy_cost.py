@@ -56,9 +56,9 @@ class _Manager:
 def build(num_blocks: int, policy: str, events: bool) -> tuple[Any, Any]:
     from vllm.v1.core.block_pool import BlockPool
 
-    from kvfabric.config import load_hook_settings
-    from kvfabric.hook.install import build_hook
-    from kvfabric.hook.outlets import NullOutlet
+    from kvfabric.engine.config import load_hook_settings
+    from kvfabric.engine.handover import NullOutlet
+    from kvfabric.engine.install import build_hook
 
     pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=16)
     if policy == "lru" and not events:

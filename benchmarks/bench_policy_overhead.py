@@ -25,9 +25,9 @@ import sys
 
 
 def run_once(policy: str, events: bool, requests: int, num_blocks: int, seed: int) -> float:
-    from kvfabric.config import load_hook_settings
-    from kvfabric.hook.install import build_hook
-    from kvfabric.hook.outlets import NullOutlet
+    from kvfabric.engine.config import load_hook_settings
+    from kvfabric.engine.handover import NullOutlet
+    from kvfabric.engine.install import build_hook
     from kvfabric.sim.harness import SimulatedEngine, build_scheduler
     from kvfabric.sim.workload import unique_cold_workload
 

@@ -46,8 +46,8 @@ def template_bursts(seed: int, families: int = 6, prefix_tokens: int = 6144, bur
 
 
 def run(items: list[tuple], cache_aware: bool, threshold: int) -> dict[str, Any]:
-    from kvfabric.config import HookSettings
-    from kvfabric.hook.install import install
+    from kvfabric.engine.config import HookSettings
+    from kvfabric.engine.install import install
     from kvfabric.sim.harness import SimulatedEngine, build_scheduler
 
     scheduler = build_scheduler(20_000, max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=16384)

@@ -5,7 +5,7 @@ lost (stored + counted loss == emitted), and neither the collector nor the sende
 descriptors across restarts.
 
 Layout: one collector process (``python -m kvfabric.collector``) and ``--senders`` emitter processes, each the
-hook's own :class:`~kvfabric.hook.sinks.UnixArrowSink` (protocol 2: acknowledged commits, replay of unacknowledged
+hook's own :class:`~kvfabric.forwarder.sinks.UnixArrowSink` (protocol 2: acknowledged commits, replay of unacknowledged
 batches) fed at ``--rate`` events/s by a thread standing in for vLLM's scheduler. Every ``--restart-every`` the
 collector is killed with SIGKILL (no flush) and a new one started on the same database and socket. At the end the
 senders close their sinks, the collector stops with SIGTERM, and the database is read back.
@@ -62,9 +62,9 @@ def proc_stats(pid: int) -> tuple[int, int] | None:
 
 def run_emitter(args: argparse.Namespace) -> int:
     """One sender process: the hook's UnixArrowSink fed at a steady rate; prints its accounting as JSON."""
-    from kvfabric import schema as S
-    from kvfabric.hook.buffer import EventBuffer
-    from kvfabric.hook.sinks import UnixArrowSink
+    from kvfabric.contract import schema as S
+    from kvfabric.forwarder.buffer import EventBuffer
+    from kvfabric.forwarder.sinks import UnixArrowSink
 
     run_id, engine = args.run, args.engine
     idx = {name: S.EMIT_COLUMNS.index(name) for name in ("ts_ns", "event", "engine", "run_id", "block_id", "count",

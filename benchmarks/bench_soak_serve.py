@@ -3,7 +3,7 @@
 memory (RSS) and open file descriptors of every process involved must stay flat.
 
 Processes sampled every ``--interval`` seconds from /proc: the server (vLLM's API server), the EngineCore (where
-the hook runs: the Scheduler, the tracker, the sink thread), the hook's forwarder child, and the collector. The
+the engine runs: the Scheduler, the recorder), the hook's forwarder child, and the collector. The
 traffic mixes every session shape that holds state somewhere (hot/cold prefixes, long conversations, forks), with
 the KV pool under pressure so blocks are evicted and rebuilt all the time, and the policy steering.
 
@@ -94,7 +94,7 @@ def _roles(server_pid: int, collector_pid: int) -> dict[str, int]:
         st = process_stats(pid)
         if st is None:
             continue
-        if "kvfabric.hook.forwarder" in str(st["cmdline"]):
+        if "kvfabric.forwarder" in str(st["cmdline"]):
             found["forwarder"] = pid
         elif "EngineCor" in str(st["comm"]) and "engine_core" not in found:
             found["engine_core"] = pid

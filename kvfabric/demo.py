@@ -28,7 +28,7 @@ from typing import Any
 
 from kvfabric.argtypes import int_range, port
 from kvfabric.collector import CollectorConfig, CollectorProcess
-from kvfabric.config import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
+from kvfabric.ingest import defaults as D
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.usage import UsageError
 
@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="keep the collector that ingested the run serving its REST API, /docs and /metrics "
                              "after the report, on the same port (Ctrl-C stops it)")
     parser.add_argument("--port", type=port, default=None,
-                        help=f"HTTP port of the collector (default: {DEFAULT_HTTP_PORT}, or a free one if another "
+                        help=f"HTTP port of the collector (default: {D.HTTP_PORT}, or a free one if another "
                              f"program listens there; a port given here must be free; 0: any free one)")
     parser.add_argument("--parquet", default="kvfabric-parquet", help="Parquet export directory")
     parser.add_argument("--run-id", default=None, help="run label (default: demo-<policy>-<time>)")
@@ -63,7 +63,7 @@ def _can_bind(port_number: int) -> int | None:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((DEFAULT_HTTP_HOST, port_number))
+            s.bind((D.HTTP_HOST, port_number))
         except OSError:
             return None
         return int(s.getsockname()[1])
@@ -72,22 +72,22 @@ def _can_bind(port_number: int) -> int | None:
 def choose_port(requested: int | None) -> tuple[int, str | None]:
     """The collector's port and, when it is not the one asked for, a note saying why.
 
-    ``requested`` None: :data:`DEFAULT_HTTP_PORT`, or a free port if another program listens there. A port the user
+    ``requested`` None: :data:`D.HTTP_PORT`, or a free port if another program listens there. A port the user
     asked for is used or refused (:class:`UsageError` naming the address), never swapped silently.
     """
     if requested is not None:
         bound = _can_bind(requested)
         if bound is None:
-            raise UsageError(f"--port {requested}: {DEFAULT_HTTP_HOST}:{requested} is in use (another collector or "
+            raise UsageError(f"--port {requested}: {D.HTTP_HOST}:{requested} is in use (another collector or "
                              f"demo?); pick another port, or 0 for any free one")
         return bound, None
-    bound = _can_bind(DEFAULT_HTTP_PORT)
+    bound = _can_bind(D.HTTP_PORT)
     if bound is not None:
         return bound, None
     fallback = _can_bind(0)
     if fallback is None:
-        raise UsageError(f"no free TCP port on {DEFAULT_HTTP_HOST}")
-    return fallback, f"port {DEFAULT_HTTP_PORT} is in use (another collector?): this demo's collector uses {fallback}"
+        raise UsageError(f"no free TCP port on {D.HTTP_HOST}")
+    return fallback, f"port {D.HTTP_PORT} is in use (another collector?): this demo's collector uses {fallback}"
 
 
 def check_num_blocks(num_blocks: int, items: list[Any], block_size: int = 16) -> None:
@@ -359,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         _say(f"API: run `kvfabric demo --serve` or `kvfabric collector --db {db}` and open "
-             f"http://{DEFAULT_HTTP_HOST}:{DEFAULT_HTTP_PORT}/api/v1/runs/{run_id}/summary")
+             f"http://{D.HTTP_HOST}:{D.HTTP_PORT}/api/v1/runs/{run_id}/summary")
         return 0
     except KeyboardInterrupt:
         return 130

@@ -1,7 +1,7 @@
 """Every ``KVFABRIC_*`` environment variable, declared once: :data:`SETTINGS`.
 
 Each :class:`Setting` names the variable, its type, its documented default, the values it accepts, the component
-that reads it and what it does. :func:`read` is the one parser, used by the hook (:func:`kvfabric.config.
+that reads it and what it does. :func:`read` is the one parser, used by the hook (:func:`kvfabric.engine.config.
 load_hook_settings`), the collector and the simulated executor. The settings tables of README.md,
 README.zh-CN.md and docs/design.md are rendered from :data:`SETTINGS` between ``<!-- settings:begin -->`` and
 ``<!-- settings:end -->``::
@@ -13,11 +13,11 @@ README.zh-CN.md and docs/design.md are rendered from :data:`SETTINGS` between ``
 Rules: an unset or empty (blank) variable means its default. A bad value gives one warning line naming the
 variable, the value, what is accepted and what is used instead, and what is used instead is always the documented
 default: a typo never turns a feature on. Booleans accept 1/0/true/false/yes/no/on/off in any case. Limits the
-collector enforces (label lengths, batch rows: :mod:`kvfabric.protocol`) are checked here, so a value the
+collector enforces (label lengths, batch rows: :mod:`kvfabric.contract.protocol`) are checked here, so a value the
 collector would refuse never leaves the hook.
 
-Importing this module imports nothing outside the standard library and :mod:`kvfabric.protocol`: vLLM imports it
-in every process that loads plugins, with KVFabric on or off.
+Importing this module imports nothing outside the standard library and :mod:`kvfabric.contract.protocol`: vLLM imports
+it in every process that loads plugins, with KVFabric on or off.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfabric import protocol as P
+from kvfabric.contract import protocol as P
 
 log = logging.getLogger("kvfabric.settings")
 
@@ -193,6 +193,8 @@ def _sink(text: str) -> str:
 
 
 def _policy_names() -> tuple[str, ...]:
+    # (Read when the table is rendered or a value checked, not at import: vLLM imports this module in every
+    # process that loads plugins, and it stays free of the rest of KVFabric.)
     from kvfabric.policies import POLICY_NAMES
 
     return POLICY_NAMES
@@ -203,7 +205,7 @@ def _latency_models() -> tuple[str, ...]:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    # ---- the vLLM plugin (kvfabric.config.load_hook_settings) ----
+    # ---- the vLLM plugin (kvfabric.engine.config.load_hook_settings) ----
     Setting("KVFABRIC_LIFECYCLE", "bool", False, "record lifecycle events", field="lifecycle",
             default_doc="`0` (`1` when `KVFABRIC_LIFECYCLE_LOG_PATH` is set)"),
     Setting("KVFABRIC_SINK", "sink", "", "where events go: a collector's socket (`unix://`), a JSONL file "

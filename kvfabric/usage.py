@@ -13,3 +13,12 @@ EXIT_USAGE = 2
 
 class UsageError(Exception):
     """A user's mistake: one line, exit status 2, no traceback."""
+
+
+def unwritable(option: str, path: str, exc: BaseException) -> UsageError:
+    """The one-line error for an output path that cannot be created or written."""
+    if isinstance(exc, OSError):
+        at = f" ({exc.filename}: {exc.strerror})" if exc.filename and exc.filename != path else f" ({exc.strerror})"
+        return UsageError(f"{option} {path}: cannot write there{at}")
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return UsageError(f"{option} {path}: cannot write there ({first})")

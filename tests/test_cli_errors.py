@@ -24,7 +24,7 @@ import duckdb
 import httpx
 import pyarrow.parquet as pq
 import pytest
-from collector_testkit import HASH_STORY, collector_files, golden_streams, send_golden, wait_until
+from support.collector_testkit import HASH_STORY, collector_files, golden_streams, send_golden, wait_until
 
 import kvfabric
 from kvfabric.argtypes import shows_default

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvfabric import protocol as P
-from kvfabric import schema as S
 from kvfabric import settings as T
-from kvfabric.config import HookSettings, default_socket_path, load_hook_settings
+from kvfabric.contract import protocol as P
+from kvfabric.contract import schema as S
+from kvfabric.engine.config import HookSettings, default_socket_path, load_hook_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,7 @@ def test_every_variable_in_the_code_is_declared() -> None:
 
 
 # Modules that still read a variable straight from os.environ, each with the change that removes it:
-# kvfabric.hook.install.engine_id should take HookSettings.engine_id (checked against the collector's limit);
+# kvfabric.engine.install.engine_id should take HookSettings.engine_id (checked against the collector's limit);
 # kvfabric.api.app and kvfabric.collector.status should take kvfabric.settings.read("KVFABRIC_API_TOKEN"). No other
 # module may join them.
 def ad_hoc_reads(text: str) -> set[str]:
@@ -178,7 +178,7 @@ def test_bad_anchor_blocks_leave_the_gate_off(bad: str) -> None:
 
 
 def test_stream_settings_tell_gate_on_from_gate_off() -> None:
-    from kvfabric.hook.install import stream_metadata
+    from kvfabric.engine.install import stream_metadata
 
     def recorded(env: dict[str, str]) -> dict[str, Any]:
         meta = stream_metadata(load_hook_settings(env), engine="e", policy="lru", block_size=16, num_blocks=64)
@@ -336,7 +336,7 @@ def _run_plugin(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> tuple[A
     installation, the stream metadata and the events its JSONL file holds."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvfabric.hook.plugin import unwrap_scheduler_class, wrap_scheduler_class
+    from kvfabric.engine.plugin import unwrap_scheduler_class, wrap_scheduler_class
     from kvfabric.sim.harness import SimulatedEngine
 
     for var in [k for k in os.environ if k.startswith("KVFABRIC_")]:

@@ -155,7 +155,7 @@ def _cpu_by_process() -> dict[str, float]:
                 t = p.cpu_times()
             except Exception:
                 continue
-            role = ("forwarder" if "kvfabric.hook.forwarder" in cmd else
+            role = ("forwarder" if "kvfabric.forwarder" in cmd else
                     "engine_core" if "EngineCore" in cmd or "EngineCore" in p.name() or "spawn_main" in cmd else
                     "other")
             out[role] = out.get(role, 0.0) + t.user + t.system

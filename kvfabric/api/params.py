@@ -18,14 +18,14 @@ from typing import Annotated
 from fastapi import Depends, Path, Query
 from pydantic import AfterValidator
 
-from kvfabric import protocol as P
+from kvfabric.contract import protocol as P
 from kvfabric.queries import MAX_LIMIT, BadParameter, Cursor
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 MAX_TEXT = P.MAX_LABEL_CHARS
 """Longest run id, family, engine or other text filter accepted (the hook accepts no longer run id or engine label;
-stream metadata values are capped at :data:`kvfabric.protocol.MAX_META_VALUE_CHARS`)."""
+stream metadata values are capped at :data:`kvfabric.contract.protocol.MAX_META_VALUE_CHARS`)."""
 
 
 def _no_nul(value: str | None) -> str | None:

@@ -6,8 +6,9 @@ A workload draws *token ids* (from a seeded ``random.Random``) and keeps the ans
 * ``tokens``: a list of token ids (``/v1/completions`` accepts one; servers started with ``--skip-tokenizer-init``
   need it). Answers are the token ids the server returned (vLLM: ``"return_token_ids": true``), so a next turn's
   prompt holds exactly the tokens the model produced and vLLM's block hashes see the whole previous turn as a prefix.
-* ``text``: one pseudo-word per drawn token id (a fixed, seed-independent vocabulary) and the answer's text as
-  returned. Prefix sharing then holds up to the server's tokenizer merging across a boundary.
+* ``text``: one pseudo-word per drawn token id (:func:`kvfabric.sim.tokenizer.word`, a fixed, seed-independent
+  vocabulary) and the answer's text as returned. Prefix sharing then holds up to the server's tokenizer merging
+  across a boundary.
 
 Invariant: a prompt is a concatenation of *parts*; equal parts in equal order give equal wire prompts, in both
 formats. That is what makes prefixes shared.
@@ -19,21 +20,11 @@ import random
 from dataclasses import dataclass, field
 
 from kvfabric.sim.harness import TOKEN_ID_HIGH, TOKEN_ID_LOW
+from kvfabric.sim.tokenizer import word
 
-__all__ = ["FORMATS", "Prompt", "PromptFormat", "Reply", "draw_tokens", "word"]
+__all__ = ["FORMATS", "Prompt", "PromptFormat", "Reply", "draw_tokens"]
 
 FORMATS = ("tokens", "text")
-
-_SYLLABLES = [c + v for c in "bcdfghjklmnprstvz" for v in "aeiou"]  # 85 syllables
-
-
-def word(token_id: int) -> str:
-    """The pseudo-word standing for ``token_id`` in text prompts (two or three syllables, lowercase ASCII)."""
-    n = len(_SYLLABLES)
-    a, rest = token_id % n, token_id // n
-    b, rest = rest % n, rest // n
-    return _SYLLABLES[a] + _SYLLABLES[b] + (_SYLLABLES[rest % n] if rest else "")
-
 
 def draw_tokens(rng: random.Random, n: int) -> list[int]:
     """``n`` token ids, uniform in the simulator's range (inside every bundled vocabulary, no special tokens)."""

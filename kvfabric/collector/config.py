@@ -10,11 +10,11 @@ import ipaddress
 import socket
 from dataclasses import dataclass, field
 
-from kvfabric import protocol as P
 from kvfabric import settings
 from kvfabric.argtypes import duckdb_setting, nonneg_float, nonneg_int, port, positive_float, positive_int
-from kvfabric.config import DEFAULT_DB_PATH, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_socket_path
+from kvfabric.contract.protocol import default_socket_path
 from kvfabric.ingest import IngestSettings
+from kvfabric.ingest import defaults as D
 
 TOKEN_ENV = "KVFABRIC_API_TOKEN"
 
@@ -27,28 +27,27 @@ class CollectorConfig:
     free port (read it back from :attr:`Collector.http_url`).
     """
 
-    db_path: str = DEFAULT_DB_PATH
+    db_path: str = D.DB_PATH
     socket_path: str = field(default_factory=default_socket_path)
-    host: str = DEFAULT_HTTP_HOST
-    port: int = DEFAULT_HTTP_PORT
+    host: str = D.HTTP_HOST
+    port: int = D.HTTP_PORT
     token: str | None = None
     http: bool = True
-    socket_mode: int = 0o600
-    max_connections: int = 64
-    handshake_timeout_s: float = 10.0
-    drain_timeout_s: float = 5.0
-    max_batch_rows: int = P.MAX_BATCH_ROWS
-    max_batch_bytes: int = P.MAX_BATCH_BYTES
-    max_string_bytes: int = 4096
-    max_buffered_bytes: int = 512 * 1024 * 1024
-    message_timeout_s: float = 30.0
-    idle_timeout_s: float = 300.0
-    coalesce_rows: int = 245_760
-    coalesce_ms: int = 100
+    socket_mode: int = D.SOCKET_MODE
+    max_connections: int = D.MAX_CONNECTIONS
+    handshake_timeout_s: float = D.HANDSHAKE_TIMEOUT_S
+    drain_timeout_s: float = D.DRAIN_TIMEOUT_S
+    max_batch_rows: int = D.MAX_BATCH_ROWS
+    max_batch_bytes: int = D.MAX_BATCH_BYTES
+    max_string_bytes: int = D.MAX_STRING_BYTES
+    max_buffered_bytes: int = D.MAX_BUFFERED_BYTES
+    message_timeout_s: float = D.MESSAGE_TIMEOUT_S
+    idle_timeout_s: float = D.IDLE_TIMEOUT_S
+    coalesce_rows: int = D.COALESCE_ROWS
+    coalesce_ms: int = D.COALESCE_MS
     checkpoint_threshold: str | None = None  # None: DuckDB's default (16MB)
-    # DuckDB's buffer cache otherwise grows with the database up to 80 % of RAM
-    # (benchmarks/results/collector_memory.md); queries needing more spill to disk. "" = DuckDB's default.
-    memory_limit: str = "256MB"
+    # Queries needing more than the limit spill to disk. "" = DuckDB's default.
+    memory_limit: str = D.MEMORY_LIMIT
     allow_uids: tuple[str, ...] = ()  # extra uids (numbers or user names) that may stream into the socket
     allow_remote_without_token: bool = False
     max_label_runs: int | None = None  # None: $KVFABRIC_MAX_LABEL_RUNS or 64

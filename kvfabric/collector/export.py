@@ -20,7 +20,7 @@ import os
 
 from kvfabric.argtypes import positive_int
 from kvfabric.queries import connect_read_only
-from kvfabric.usage import UsageError
+from kvfabric.usage import UsageError, unwritable
 
 
 def _literal(path: str) -> str:
@@ -76,15 +76,6 @@ def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = Fals
         "events_glob": os.path.join(events_dir, "**", "*.parquet"),
         "streams_path": streams_path,
     }
-
-
-def unwritable(option: str, path: str, exc: BaseException) -> UsageError:
-    """The one-line error for an output path that cannot be created or written."""
-    if isinstance(exc, OSError):
-        at = f" ({exc.filename}: {exc.strerror})" if exc.filename and exc.filename != path else f" ({exc.strerror})"
-        return UsageError(f"{option} {path}: cannot write there{at}")
-    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return UsageError(f"{option} {path}: cannot write there ({first})")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvfabric.analysis.traffic import recorded_traffic, trace_rows
 from kvfabric.queries import QueryRunner
-from kvfabric.usage import UsageError
+from kvfabric.usage import UsageError, unwritable
 
 
 def export_mooncake(db_path: str, run: str, out_path: str, *, engine: str | None = None,
@@ -63,7 +63,6 @@ def export_mooncake(db_path: str, run: str, out_path: str, *, engine: str | None
 
 
 def run_mooncake_export(args: argparse.Namespace) -> int:
-    from kvfabric.collector.export import unwritable
     from kvfabric.queries import DatabaseUnavailable, UnknownRun
 
     if not args.run:

@@ -1,4 +1,4 @@
-"""The collector's side of protocol 2 (kvfabric/protocol.py): acknowledgements written back to one connection.
+"""The collector's side of protocol 2 (kvfabric/contract/protocol.py): acknowledgements written back to one connection.
 
 Invariants:
   * nothing here ever blocks: frames are written with non-blocking ``os.write`` on the connection's socket (its fd
@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 
-from kvfabric import protocol as P
+from kvfabric.contract import protocol as P
 
 MAX_OUTBOX = 64 * 1024
 

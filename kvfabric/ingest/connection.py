@@ -9,8 +9,8 @@ Whatever a peer sends, the outcome is confined to its own connection:
     ``refused_rows``, answered with ``REFUSED seq`` (protocol 2), and the stream goes on with its next batch;
   * a quiet connection may be closed at a message boundary (idle, or evicted to make room): nothing is lost.
 
-With protocol 2 (kvfabric/protocol.py) the connection sends HELLO as soon as the schema is accepted, and the writer
-acknowledges committed batches through the connection's :class:`~kvfabric.ingest.acks.AckChannel`.
+With protocol 2 (kvfabric/contract/protocol.py) the connection sends HELLO as soon as the schema is accepted, and the
+writer acknowledges committed batches through the connection's :class:`~kvfabric.ingest.acks.AckChannel`.
 
 The stream is entered in the collector's list of engines (:class:`~kvfabric.ingest.engines.EngineRegistry`) when
 its schema is accepted, before any batch: the hook connects when vLLM builds its scheduler, so an engine is listed
@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from kvfabric import schema as S
+from kvfabric.contract import schema as S
+from kvfabric.contract.protocol import PeerCredentials, peer_credentials
+from kvfabric.ingest import defaults as D
 from kvfabric.ingest.acks import AckChannel
 from kvfabric.ingest.engines import EngineRegistry
 from kvfabric.ingest.errors import (
@@ -47,7 +49,6 @@ from kvfabric.ingest.queue import BatchQueue, BatchReceived, BatchRefused, Queue
 from kvfabric.ingest.ratelimit import RateLimitedLog
 from kvfabric.ingest.source import SocketSource
 from kvfabric.ingest.validate import BatchLimits, check_batch, parse_stream_meta
-from kvfabric.protocol import PeerCredentials, peer_credentials
 
 __all__ = ["IngestContext", "PeerCredentials", "peer_credentials", "peer_label", "serve_connection"]
 
@@ -67,8 +68,8 @@ class IngestContext:
     stopping: threading.Event
     drain_deadline: list[float]  # one element, written by the server before it sets ``stopping``
     resume_seq: Callable[[str], int] = lambda _stream_id: -1  # HELLO's value (the writer's committed state)
-    message_timeout_s: float = 30.0
-    idle_timeout_s: float = 300.0
+    message_timeout_s: float = D.MESSAGE_TIMEOUT_S
+    idle_timeout_s: float = D.IDLE_TIMEOUT_S
     rlog: RateLimitedLog | None = None
     engines: EngineRegistry | None = None  # the streams this collector holds, for GET /api/v1/engines
 

@@ -1,7 +1,7 @@
 """The engines a collector hears from: one entry per event stream, in memory, from its schema on.
 
 A hook's forwarder connects and sends its stream's schema as soon as vLLM builds the scheduler, before any request
-(kvfabric/hook/forwarder.py), and keeps the connection while the engine idles. So the streams this collector holds
+(kvfabric/forwarder.py), and keeps the connection while the engine idles. So the streams this collector holds
 are the engines that have KVFabric on, whether or not they have served anything yet: ``GET /api/v1/engines`` and
 ``kvfabric status`` read :meth:`EngineRegistry.snapshot`.
 
@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvfabric import protocol as P
+from kvfabric.contract import protocol as P
 from kvfabric.ingest.validate import StreamMeta
 
 CONNECTED = "connected"

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvfabric import schema as S
 from kvfabric import settings
+from kvfabric.contract import schema as S
 from kvfabric.ingest.errors import (
     BAD_STREAM_REASONS,
     CLOSED_CONNECTION_REASONS,
@@ -55,7 +55,7 @@ class CommitAggregate:
     shared_anchor: int
     protected: int
     evicted_by_reason: tuple[int, ...] = ()
-    """block_evicted rows per reason, in :data:`kvfabric.schema.EVICTION_REASONS` order (the rest: unknown)."""
+    """block_evicted rows per reason, in :data:`kvfabric.contract.schema.EVICTION_REASONS` order (the rest: unknown)."""
 
     @classmethod
     def from_row(cls, row: tuple) -> CommitAggregate:

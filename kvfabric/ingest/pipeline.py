@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
-from kvfabric import protocol as P
+from kvfabric.ingest import defaults as D
 from kvfabric.ingest.budget import ByteBudget
 from kvfabric.ingest.connection import IngestContext
 from kvfabric.ingest.engines import EngineRegistry
@@ -34,21 +34,21 @@ class IngestSettings:
 
     db_path: str
     socket_path: str
-    socket_mode: int = 0o600
-    max_connections: int = 64
-    handshake_timeout_s: float = 10.0
-    drain_timeout_s: float = 5.0
-    max_batch_rows: int = P.MAX_BATCH_ROWS
-    max_batch_bytes: int = P.MAX_BATCH_BYTES
-    max_string_bytes: int = 4096
-    max_buffered_bytes: int = 512 * 1024 * 1024  # partly received messages, all connections together
-    message_timeout_s: float = 30.0
-    idle_timeout_s: float = 300.0
-    queue_max_rows: int = 2_000_000
-    queue_max_bytes: int = 512 * 1024 * 1024
-    coalesce_rows: int = 245_760
-    coalesce_ms: int = 100
-    gap_grace_s: float = 5.0
+    socket_mode: int = D.SOCKET_MODE
+    max_connections: int = D.MAX_CONNECTIONS
+    handshake_timeout_s: float = D.HANDSHAKE_TIMEOUT_S
+    drain_timeout_s: float = D.DRAIN_TIMEOUT_S
+    max_batch_rows: int = D.MAX_BATCH_ROWS
+    max_batch_bytes: int = D.MAX_BATCH_BYTES
+    max_string_bytes: int = D.MAX_STRING_BYTES
+    max_buffered_bytes: int = D.MAX_BUFFERED_BYTES
+    message_timeout_s: float = D.MESSAGE_TIMEOUT_S
+    idle_timeout_s: float = D.IDLE_TIMEOUT_S
+    queue_max_rows: int = D.QUEUE_MAX_ROWS
+    queue_max_bytes: int = D.QUEUE_MAX_BYTES
+    coalesce_rows: int = D.COALESCE_ROWS
+    coalesce_ms: int = D.COALESCE_MS
+    gap_grace_s: float = D.GAP_GRACE_S
     checkpoint_threshold: str | None = None  # DuckDB size string; None = DuckDB's default (16MB)
     memory_limit: str | None = None  # DuckDB size string; None = DuckDB's default (80 % of RAM)
     allow_uids: frozenset[int] = field(default_factory=frozenset)

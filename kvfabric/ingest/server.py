@@ -38,11 +38,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvfabric.contract.protocol import PeerCredentials, peer_credentials
+from kvfabric.ingest import defaults as D
 from kvfabric.ingest.budget import ByteBudget
 from kvfabric.ingest.connection import IngestContext, peer_label, serve_connection
 from kvfabric.ingest.errors import CONNECTION_LIMIT, PEER_NOT_ALLOWED
 from kvfabric.ingest.source import SocketSource
-from kvfabric.protocol import PeerCredentials, peer_credentials
 
 log = logging.getLogger("kvfabric.ingest")
 
@@ -91,7 +92,8 @@ def _check_directory(parent: str) -> None:
     if st.st_uid not in (me, 0):
         raise UnsafeSocketDirectory(
             f"socket directory {parent} belongs to uid {st.st_uid}, not to this user ({me}): its owner could replace "
-            "the socket; use a directory of your own (the default is private: see kvfabric.config.default_socket_path)"
+            "the socket; use a directory of your own (the default is private: see "
+            "kvfabric.contract.protocol.default_socket_path)"
         )
     if st.st_mode & 0o022:
         if not st.st_mode & stat.S_ISVTX:
@@ -163,8 +165,8 @@ class StreamServer:
         socket_path: str,
         ctx: IngestContext,
         *,
-        max_connections: int = 64,
-        socket_mode: int = 0o600,
+        max_connections: int = D.MAX_CONNECTIONS,
+        socket_mode: int = D.SOCKET_MODE,
         budget: ByteBudget | None = None,
         allow_uids: frozenset[int] = frozenset(),
     ) -> None:

@@ -3,7 +3,7 @@
 Tables (created if missing, never altered):
 
 ``events``
-    One row per event, columns = :data:`kvfabric.schema.COLUMNS` with the schema's types; append-only (nothing
+    One row per event, columns = :data:`kvfabric.contract.schema.COLUMNS` with the schema's types; append-only (nothing
     ever deletes or updates a row, which keeps ``rowid`` a stable tie-breaker for keyset pagination).
 ``streams``
     One row per stream id: its metadata and ingest accounting (batches, rows, last_seq, gaps, duplicates, refused
@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import duckdb
 import pyarrow as pa
 
-from kvfabric import schema as S
+from kvfabric.contract import schema as S
 
 _DUCKDB_TYPES: dict[pa.DataType, str] = {
     pa.int64(): "BIGINT",
@@ -126,7 +126,8 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
 
 
 def _migrate(con: duckdb.DuckDBPyConnection, path: str, found: str) -> None:
-    """Upgrade a file of schema version ``found`` to :data:`kvfabric.schema.SCHEMA_VERSION` in one transaction."""
+    """Upgrade a file of schema version ``found`` to :data:`kvfabric.contract.schema.SCHEMA_VERSION` in one
+    transaction."""
     try:
         version = int(found)
     except ValueError:

@@ -8,12 +8,13 @@ Refusals come in two sizes: :class:`BadStream` (the schema or the framing is unu
 on, because the Arrow framing around it is intact).
 
 Invariants a batch that passes :func:`check_batch` guarantees to the writer:
-  * its schema is exactly :data:`kvfabric.schema.EVENT_SCHEMA` (normalised: nullability flags and metadata of the
-    sender are dropped), so batches of different streams concatenate without casts;
+  * its schema is exactly :data:`kvfabric.contract.schema.EVENT_SCHEMA` (normalised: nullability flags and metadata
+    of the sender are dropped), so batches of different streams concatenate without casts;
   * every row's ``run_id`` and ``engine`` equal the stream metadata's (nulls are filled in with them);
   * ``seq``, ``ts_ns`` and ``event`` hold no nulls, ``seq`` is one non-negative value over the batch, and every
-    ``event`` is one of :data:`kvfabric.schema.EVENT_TYPES`: the INSERT into DuckDB's NOT NULL columns cannot fail;
-  * every non-null ``reason`` is one of :data:`kvfabric.schema.EVICTION_REASONS` (it becomes a metric label).
+    ``event`` is one of :data:`kvfabric.contract.schema.EVENT_TYPES`: the INSERT into DuckDB's NOT NULL columns
+    cannot fail;
+  * every non-null ``reason`` is one of :data:`kvfabric.contract.schema.EVICTION_REASONS` (it becomes a metric label).
   * every string is valid UTF-8 and at most ``max_string_bytes`` long (DuckDB would refuse invalid UTF-8 and abort
     the whole coalesced transaction; a 100 MiB request id would be stored and served back by the API).
 """
@@ -27,8 +28,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvfabric import protocol as P
-from kvfabric import schema as S
+from kvfabric.contract import protocol as P
+from kvfabric.contract import schema as S
+from kvfabric.ingest import defaults as D
 from kvfabric.ingest.errors import (
     INVALID_UTF8,
     OVERSIZED,
@@ -39,7 +41,7 @@ from kvfabric.ingest.errors import (
     BadStream,
 )
 
-MAX_META_VALUE_CHARS = P.MAX_META_VALUE_CHARS  # (kvfabric.protocol: the hook checks its settings against them)
+MAX_META_VALUE_CHARS = P.MAX_META_VALUE_CHARS  # (kvfabric.contract.protocol: the hook checks its settings against them)
 MAX_SETTINGS_CHARS = P.MAX_SETTINGS_CHARS
 
 _KNOWN_EVENTS = frozenset(S.EVENT_TYPES)
@@ -93,7 +95,7 @@ class StreamMeta:
     policy: str
     vllm_version: str | None = None
     settings: str | None = None  # JSON text, as sent
-    protocol: int = 1  # kvfabric.protocol: 2 = the collector acknowledges commits (kvfabric/protocol.py)
+    protocol: int = 1  # metadata kvfabric.protocol: 2 = the collector acknowledges commits (contract/protocol.py)
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,9 @@ class BatchLimits:
     """Caps on one record batch: over ``max_rows``/``max_bytes`` the stream is refused (``oversized``); a string
     value over ``max_string_bytes`` refuses that batch only (``value_too_long``)."""
 
-    max_rows: int = P.MAX_BATCH_ROWS
-    max_bytes: int = P.MAX_BATCH_BYTES
-    max_string_bytes: int = 4096
+    max_rows: int = D.MAX_BATCH_ROWS
+    max_bytes: int = D.MAX_BATCH_BYTES
+    max_string_bytes: int = D.MAX_STRING_BYTES
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def _same_columns(schema: pa.Schema) -> str | None:
         extra = [n for n in got_names if n not in want_names]
         if missing or extra:
             return f"columns differ: missing {missing}, unexpected {extra}"
-        return "columns are in a different order than kvfabric.schema.COLUMNS"
+        return "columns are in a different order than kvfabric.contract.schema.COLUMNS"
     bad = [f"{n}: {t} (expected {w})" for (n, t), (_, w) in zip(got, want, strict=True) if t != w]
     return "column types differ: " + "; ".join(bad)
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import duckdb
 import pyarrow as pa
 
-from kvfabric import schema as S
+from kvfabric.contract import schema as S
+from kvfabric.ingest import defaults as D
 from kvfabric.ingest.acks import AckChannel
 from kvfabric.ingest.errors import STORE_FAILED
 from kvfabric.ingest.metrics import CollectorMetrics, CommitAggregate
@@ -159,9 +160,9 @@ class EventWriter:
         queue: BatchQueue,
         metrics: CollectorMetrics,
         *,
-        coalesce_rows: int = 245_760,
-        coalesce_s: float = 0.1,
-        gap_grace_s: float = 5.0,
+        coalesce_rows: int = D.COALESCE_ROWS,
+        coalesce_s: float = D.COALESCE_MS / 1000,
+        gap_grace_s: float = D.GAP_GRACE_S,
         reopen: Callable[[], duckdb.DuckDBPyConnection] | None = None,
     ) -> None:
         self._con = con

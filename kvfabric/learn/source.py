@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfabric import schema as S
+from kvfabric.contract import schema as S
 
 
 @dataclass

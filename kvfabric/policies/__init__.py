@@ -1,7 +1,8 @@
 """Eviction policies and the admission gate (importable without vLLM).
 
 Every policy is a key function over block statistics (:mod:`kvfabric.policies.builtin`); the structures that order
-candidates live in :mod:`kvfabric.policies.index`. ``lru`` is vLLM's own order: inside vLLM it attaches nothing.
+candidates live in :mod:`kvfabric.policies.index` (chosen by :mod:`kvfabric.policies.indexes`). No vLLM object
+reaches a policy, and nothing here imports the engine. ``lru`` is vLLM's own order: inside vLLM it attaches nothing.
 One registry: :func:`make_policy` builds every policy by name, the offline optimum included (it needs an oracle of
 future accesses, so only replays can build it).
 """
@@ -30,6 +31,8 @@ def make_policy(name: str, settings: PolicySettings | Any | None = None, *, orac
     ``oracle`` is what an oracle policy needs (for ``optimal``: ``{digest: [request positions]}``, see
     :func:`kvfabric.policies.optimal.occurrences_of`).
     """
+    # (Imported when a policy is made, not with the package: the settings table reads ``POLICY_NAMES`` in every
+    # vLLM process, with KVFabric on or off, and needs none of the policies' modules for it.)
     from kvfabric.policies import builtin
     from kvfabric.policies.base import PolicySettings
     from kvfabric.policies.learned import LearnedPolicy

@@ -1,5 +1,4 @@
-/* The victim index's bookkeeping and order, compiled (kvfabric.policies.native_index wraps it); and a free's
-   candidates in one pass (freed_candidates, below; kvfabric.hook.steering.freed_candidates_py is its reference).
+/* The victim index's bookkeeping and order, compiled (kvfabric.policies.native_index wraps it).
 
    Same rules as kvfabric/policies/index.py's VictimIndex, which stays the reference and the fallback:
      * a block is held at most once; candidates leave lowest (order key, arrival) first, where the order key is
@@ -426,105 +425,7 @@ Core_pop_n(Core *c, PyObject *arg)
     return out;
 }
 
-PyDoc_STRVAR(freed_candidates_doc,
-"freed_candidates(ids, refs, blocks, field, null, chain, names, hash64) -> (ids, parents)\n\n"
-"The blocks of one free that become candidates (see kvfabric.hook.steering.freed_candidates_py, the reference).");
-
-/* One free's candidates, in one pass: steering's hot path (a call per vLLM free), fused here because each of its
-   Python passes over the free's blocks (read vLLM's hashes, filter, digest, name, link) pays the cold caches
-   again. Checked inputs; on an error, names already written stay (each is a block's true content digest). */
-static PyObject *
-freed_candidates(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    PyObject *ids, *refs, *blocks, *field, *names, *hash64;
-    long null;
-    int chain;
-    if (!PyArg_ParseTuple(args, "O!O!O!UlpOO:freed_candidates", &PyList_Type, &ids, &PyList_Type, &refs,
-                          &PyList_Type, &blocks, &field, &null, &chain, &names, &hash64))
-        return NULL;
-    if (names != Py_None && !PyList_Check(names)) {
-        PyErr_SetString(PyExc_TypeError, "names must be a list or None");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(ids);
-    if (PyList_GET_SIZE(refs) != n) {
-        PyErr_SetString(PyExc_ValueError, "ids and refs must have one length");
-        return NULL;
-    }
-    Py_ssize_t nblocks = PyList_GET_SIZE(blocks);
-    Py_ssize_t nnames = names == Py_None ? 0 : PyList_GET_SIZE(names);
-    PyObject *out = PyList_New(0);
-    PyObject *parents = chain ? PyList_New(0) : NULL;
-    if (out == NULL || (chain && parents == NULL))
-        goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int nonzero = PyObject_IsTrue(PyList_GET_ITEM(refs, i));
-        if (nonzero < 0)
-            goto fail;
-        if (nonzero)
-            continue; /* another request still holds it */
-        PyObject *idobj = PyList_GET_ITEM(ids, i);
-        Py_ssize_t b = PyLong_AsSsize_t(idobj);
-        if (b == -1 && PyErr_Occurred())
-            goto fail;
-        if (b < 0 || b >= nblocks || (names != Py_None && b >= nnames)) {
-            PyErr_Format(PyExc_IndexError, "block %zd is outside the pool", b);
-            goto fail;
-        }
-        PyObject *raw = PyObject_GetAttr(PyList_GET_ITEM(blocks, b), field);
-        if (raw == NULL)
-            goto fail;
-        if (raw == Py_None) { /* (not cached: reusing it evicts nothing) */
-            Py_DECREF(raw);
-            continue;
-        }
-        if (names != Py_None) {
-            PyObject *d;
-            if (PyBytes_CheckExact(raw) && PyBytes_GET_SIZE(raw) >= 8) { /* schema.hash64: the first 8 bytes */
-                const unsigned char *c = (const unsigned char *)PyBytes_AS_STRING(raw);
-                uint64_t u = 0;
-                for (int k = 7; k >= 0; k--)
-                    u = (u << 8) | c[k];
-                int64_t v;
-                memcpy(&v, &u, sizeof v);
-                d = PyLong_FromLongLong((long long)v);
-            } else {
-                d = PyObject_CallOneArg(hash64, raw);
-            }
-            Py_DECREF(raw);
-            if (d == NULL)
-                goto fail;
-            PyList_SetItem(names, b, d);
-        } else {
-            Py_DECREF(raw);
-        }
-        if (PyList_Append(out, idobj) < 0)
-            goto fail;
-        if (chain) {
-            PyObject *p = i + 1 < n ? PyList_GET_ITEM(ids, i + 1) : NULL;
-            long pv = p == NULL ? -1 : PyLong_AsLong(p);
-            if (pv == -1 && PyErr_Occurred())
-                goto fail;
-            PyObject *po = (p != NULL && pv != null) ? (Py_INCREF(p), p) : PyLong_FromLong(-1);
-            if (po == NULL || PyList_Append(parents, po) < 0) {
-                Py_XDECREF(po);
-                goto fail;
-            }
-            Py_DECREF(po);
-        }
-    }
-    PyObject *result = PyTuple_Pack(2, out, chain ? parents : Py_None);
-    Py_DECREF(out);
-    Py_XDECREF(parents);
-    return result;
-fail:
-    Py_XDECREF(out);
-    Py_XDECREF(parents);
-    return NULL;
-}
-
 static PyMethodDef module_methods[] = {
-    {"freed_candidates", (PyCFunction)freed_candidates, METH_VARARGS, freed_candidates_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,8 +1,7 @@
 """Type stub of the compiled victim-index core (kvfabric/policies/_order.c; see native_index.py)."""
 
 from array import array
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 class Core:
     size: int
@@ -14,6 +13,3 @@ class Core:
     def discard_all(self, ids: Sequence[int]) -> None: ...
     def pop(self) -> int | None: ...
     def pop_n(self, n: int) -> list[int]: ...
-
-def freed_candidates(ids: list[int], refs: list[int], blocks: list[Any], field: str, null: int, chain: bool,
-                     names: list[Any] | None, hash64: Callable[[Any], Any]) -> tuple[list[int], list[int] | None]: ...

@@ -18,12 +18,11 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
 
 
 class AnchorAdmissionGate:
-    """Decides how many leading blocks of a request may be cached; plugs into the hook as ``tracker.admission_gate``."""
+    """Decides how many leading blocks of a request may be cached. Inside vLLM its seam is
+    :class:`kvfabric.engine.steering.admission.AdmissionSeam`; the offline replay calls :meth:`decide` itself."""
 
     def __init__(self, anchor_blocks: int, max_families: int = 1 << 18, max_requests: int = 1 << 16) -> None:
         if anchor_blocks < 1:
@@ -62,46 +61,3 @@ class AnchorAdmissionGate:
     def limit(self, known: bool, start: int, end: int) -> int:
         """Offline helper: the number of leading blocks cached for a request whose blocks ``[start, end)`` are new."""
         return end if known else max(start, min(end, self.anchor_blocks))
-
-    # ---- the hook's seam ----------------------------------------------------------------------------------
-
-    def mask(
-        self,
-        recorder: Any,
-        request: Any,
-        start: int,
-        end: int,
-        vllm_mask: Sequence[bool] | None,
-    ) -> list[bool] | None:
-        """``block_mask`` for ``cache_full_blocks(request, blocks, start, end, ...)``: vLLM's mask, narrowed.
-
-        ``recorder`` gives the request's family (``family_of``) and records what the gate refused (``limited``).
-        Returns ``vllm_mask`` unchanged (possibly None) when the request may cache everything in ``[start, end)``.
-        Never raises (it runs on vLLM's path): on any internal error vLLM's mask stands.
-        """
-        try:
-            return self._mask(recorder, request, start, end, vllm_mask)
-        except Exception:
-            return None if vllm_mask is None else list(vllm_mask)
-
-    def _mask(
-        self, recorder: Any, request: Any, start: int, end: int, vllm_mask: Sequence[bool] | None
-    ) -> list[bool] | None:
-        from kvfabric.hook.hints import hinted  # the one reader of request hints
-
-        limit = self.decided.get(request.request_id, -1)
-        if limit == -1:
-            limit = self.decide(request.request_id, recorder.family_of(request), hinted(request))
-        if limit is None or end <= limit:
-            return None if vllm_mask is None else list(vllm_mask)
-        n = end - start
-        mask = [True] * n if vllm_mask is None else list(vllm_mask)
-        masked = 0
-        for i in range(max(0, limit - start), n):
-            if mask[i]:
-                mask[i] = False
-                masked += 1
-        if masked:
-            self.limited_blocks += masked
-            recorder.limited(request, masked)
-        return mask

@@ -1,4 +1,4 @@
-"""The policy interface shared by the vLLM hook and the offline replay.
+"""The policy interface shared by the engine (inside vLLM) and the offline replay.
 
 A policy is small: a *key function* over a block's statistics (SGLang's split, ``evict_policy.py``). The cache side
 owns the data structure that orders candidates (:mod:`kvfabric.policies.index`), so every policy gets the same
@@ -6,8 +6,9 @@ O(1) / O(log n) guarantees and the same safety rules for free.
 
 Two worlds call the same policy objects:
 
-* inside vLLM, :mod:`kvfabric.hook.steering` swaps the class of the pool's ``free_block_queue`` and asks the
-  index for victims; statistics come from the hook tracker's :class:`~kvfabric.hook.tracker.SideTable`;
+* inside vLLM, :mod:`kvfabric.engine.steering` binds hand-out methods onto the pool's ``free_block_queue``
+  instance and asks the index for victims; statistics come from the engine's
+  :class:`~kvfabric.lifecycle.keeper.StatisticsKeeper` (a :class:`~kvfabric.lifecycle.side_table.SideTable`);
 * offline, :mod:`kvfabric.sim.offline` replays block accesses with the same statistics, updated the same way.
 
 Invariants every policy must respect (the index enforces the structural ones):
@@ -34,13 +35,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from kvfabric.side_table import ALL_COLUMNS
+from kvfabric.lifecycle.side_table import ALL_COLUMNS
 
 
 class BlockStats(Protocol):
     """What a policy may read about block ``b`` (lists indexed by block id).
 
-    :class:`kvfabric.side_table.SideTable` is the one implementation (inside vLLM, in the forwarder and in the
+    :class:`kvfabric.lifecycle.side_table.SideTable` is the one implementation (inside vLLM, in the forwarder and in the
     offline replay). Fields describe the block's *current* cached life (reset at eviction, set at sealing);
     ``last_use`` is on the same clock as the ``now`` a policy is given.
     """
@@ -59,14 +60,14 @@ class BlockStats(Protocol):
 
 
 class TableOwner(Protocol):
-    """Anything holding the current statistics table as ``.table`` (the tracker replaces it on a cache reset)."""
+    """Anything holding the current statistics table as ``.table`` (the statistics keeper, the offline replay)."""
 
     table: Any
 
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """The knobs a policy may read (a subset of :class:`kvfabric.config.HookSettings`)."""
+    """The knobs a policy may read (a subset of :class:`kvfabric.engine.config.HookSettings`)."""
 
     protect_min_hit_count: int = 1
     #: The ``learned`` policy's reuse model (``KVFABRIC_POLICY_MODEL``); None = the model shipped with the package.
@@ -109,8 +110,8 @@ class EvictionPolicy(ABC):
     ranked: ClassVar[bool] = True
     #: The :class:`BlockStats` columns the policy's :meth:`key`, :meth:`is_protected` and observers read. Inside
     #: vLLM the statistics keeper keeps only these (and the victim index's own) when they are all lean
-    #: (:data:`kvfabric.side_table.LEAN_COLUMNS`): a column read but not declared may then be stale.
-    #: ``tests/test_policy_reads.py`` runs every built-in policy on a table that refuses undeclared columns.
+    #: (:data:`kvfabric.lifecycle.side_table.LEAN_COLUMNS`): a column read but not declared may then be stale.
+    #: ``tests/engine/test_policy_reads.py`` runs every built-in policy on a table that refuses undeclared columns.
     reads: ClassVar[frozenset[str]] = ALL_COLUMNS
 
     def __init__(self, settings: PolicySettings | None = None) -> None:
@@ -140,7 +141,7 @@ class EvictionPolicy(ABC):
         """Retain scores and protection flags of blocks ``ids`` (at least one) just added with ``keys`` at ``now``:
         exactly :meth:`retain_score` and :meth:`is_protected` of each, as two lists, or, in the *uniform* form, one
         score and one flag that are each block's (a policy on the hot path may override it to say so without a
-        loop; :func:`expand_report` turns either form into lists)."""
+        loop; :func:`kvfabric.contract.records.expand_report` turns either form into lists)."""
         score = self.retain_score
         protected = self.is_protected
         return ([score(k, now) for k in keys],
@@ -180,11 +181,3 @@ class EvictionPolicy(ABC):
     def describe(self) -> dict[str, Any]:
         """Settings worth recording with a run."""
         return {"policy": self.name}
-
-
-def expand_report(ids: list[int], scores: list[float] | float,
-                  flags: list[bool] | bool) -> tuple[list[float], list[bool]]:
-    """:meth:`EvictionPolicy.report`'s result for ``ids`` as two lists, whichever form it came in."""
-    if isinstance(scores, list):
-        return scores, flags  # type: ignore[return-value]
-    return [scores] * len(ids), [bool(flags)] * len(ids)

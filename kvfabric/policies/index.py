@@ -41,7 +41,8 @@ from collections.abc import Sequence
 from itertools import groupby
 from operator import itemgetter
 
-from kvfabric.policies.base import BlockStats, EvictionPolicy, RequestInfo, TableOwner, expand_report
+from kvfabric.contract.records import expand_report
+from kvfabric.policies.base import BlockStats, EvictionPolicy, RequestInfo, TableOwner
 
 
 class VictimIndex(ABC):
@@ -530,18 +531,3 @@ class HeapIndex(VictimIndex):
 
 _INF = float("inf")
 _second = itemgetter(1)
-
-
-def make_index(policy: EvictionPolicy, owner: TableOwner, num_blocks: int, native: bool = True) -> VictimIndex:
-    """The structure a policy asks for (its ``structure`` class attribute): compiled
-    (:class:`~kvfabric.policies.native_index.NativeIndex`, the same order) where it is built and ``native``, else
-    this module's."""
-    if policy.structure not in ("segments", "heap"):
-        raise ValueError(f"policy {policy.name!r} asks for an unknown structure {policy.structure!r}")
-    from kvfabric.policies.native_index import BUILT, NativeIndex  # (it imports this module)
-
-    if native and BUILT:
-        return NativeIndex(policy, owner, num_blocks, segments=policy.structure == "segments")
-    if policy.structure == "segments":
-        return SegmentedIndex(policy, owner, num_blocks)
-    return HeapIndex(policy, owner, num_blocks)

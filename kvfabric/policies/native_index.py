@@ -1,7 +1,7 @@
 """The victim index with its bookkeeping and order compiled (``_order.c``): same decisions, less time in vLLM.
 
 :class:`NativeIndex` keeps :class:`~kvfabric.policies.index.VictimIndex`'s contract exactly (the same victims in
-the same order for the same calls: ``tests/test_native_index.py`` checks it against :class:`HeapIndex` and
+the same order for the same calls: ``tests/policies/test_native_index.py`` checks it against :class:`HeapIndex` and
 :class:`SegmentedIndex` under random operations). Only the storage differs: each block's state is a slot of an
 ``array.array`` (``held``, ``keys``, ``link``, ``nkids``, ``deferred``; Python reads them as it reads the lists of
 the Python index), and the order is the C core's indexed heap by (order key, arrival), which has no stale entries.
@@ -12,7 +12,7 @@ Python index's ``pop()`` cost 9.01 µs in place against 3.4 µs warm). The polic
 only orders what they say.
 
 The extension is built by ``pip install`` where a C compiler is found (setup.py marks it optional); without it,
-:func:`~kvfabric.policies.index.make_index` returns the Python index, as steering asks for with
+:func:`~kvfabric.policies.indexes.make_index` returns the Python index, as steering asks for with
 ``KVFABRIC_NATIVE=0``.
 """
 

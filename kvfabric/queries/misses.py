@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfabric import schema as S
+from kvfabric.contract import schema as S
 
 Row = dict[str, Any]
 

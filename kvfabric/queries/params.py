@@ -23,9 +23,9 @@ class BadParameter(ValueError):
 def parse_block_hash(text: str) -> int:
     """A block digest as stored (signed int64) from its printed forms.
 
-    Accepted: exactly 16 hex digits (the form family ids use, ``kvfabric.schema.family_of_hash``) or ``0x``-prefixed
-    hex, both read as the unsigned 64-bit pattern; otherwise a signed decimal integer. A 16-digit *decimal* number
-    is therefore read as hex: write it with a sign (``+1234567890123456``) to force decimal.
+    Accepted: exactly 16 hex digits (the form family ids use, ``kvfabric.contract.schema.family_of_hash``) or
+    ``0x``-prefixed hex, both read as the unsigned 64-bit pattern; otherwise a signed decimal integer. A 16-digit
+    *decimal* number is therefore read as hex: write it with a sign (``+1234567890123456``) to force decimal.
     """
     t = text.strip()
     try:

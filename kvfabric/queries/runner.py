@@ -109,7 +109,7 @@ def connect_read_only(db_path: str) -> duckdb.DuckDBPyConnection:
 def _refuse_older_file(con: duckdb.DuckDBPyConnection, error: Exception) -> None:
     """A file of an older schema version lacks columns the queries read: say how to upgrade it, not "Binder Error";
     a DuckDB file that is not a collector's lacks its tables: say so, not "Catalog Error"."""
-    from kvfabric import schema as S
+    from kvfabric.contract import schema as S
 
     try:
         row = con.execute("SELECT value FROM kvfabric_meta WHERE key = 'schema_version'").fetchone()

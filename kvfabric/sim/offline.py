@@ -12,7 +12,7 @@ It models exactly what vLLM's prefix cache does with a trace, at vLLM's block gr
 * requests run one at a time (``concurrency=1``, the sequential replay of the traces' README) or in a window of
   ``concurrency`` requests, which pins the blocks of every request in the window.
 
-Statistics are kept in the one :class:`~kvfabric.side_table.SideTable`, through the same operations the hook's
+Statistics are kept in the one :class:`~kvfabric.lifecycle.side_table.SideTable`, through the same operations the hook's
 expander uses, and the policies and victim indexes are the very objects the hook uses in vLLM. Numbers quoted in
 docs come from the real scheduler (:mod:`kvfabric.sim.replay`); this mode exists to sweep, and the docs show where
 the two agree.
@@ -31,13 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfabric.hook.hints import FamilyTree
+from kvfabric.engine.families import FamilyTree
+from kvfabric.lifecycle.side_table import SideTable
 from kvfabric.policies import make_policy
 from kvfabric.policies.admission import AnchorAdmissionGate
 from kvfabric.policies.base import EvictionPolicy, PolicySettings, RequestInfo
-from kvfabric.policies.index import VictimIndex, make_index
+from kvfabric.policies.index import VictimIndex
+from kvfabric.policies.indexes import make_index
 from kvfabric.policies.optimal import occurrences_of
-from kvfabric.side_table import SideTable
 
 TRACE_BLOCK_TOKENS = 512
 
@@ -90,7 +91,7 @@ def unique_blocks(trace: Sequence[TraceRequest], block_size: int) -> int:
 
 
 class _Owner:
-    """Holds the statistics table the way the tracker does (``.table``)."""
+    """Holds the statistics table the way the statistics keeper does (``.table``)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.table = SideTable(num_blocks)

@@ -30,9 +30,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfabric import schema as S
 from kvfabric.argtypes import int_range, nonneg_int, positive_int
-from kvfabric.hook.hints import request_info
+from kvfabric.contract import schema as S
+from kvfabric.engine.hints import request_info
 from kvfabric.policies import ALL_POLICIES, make_policy
 from kvfabric.policies.base import EvictionPolicy, RequestInfo
 from kvfabric.policies.optimal import occurrences_of
@@ -138,8 +138,8 @@ def replay_real(
     """Replay ``trace`` through vLLM's real scheduler; returns the JSON object ``kvfabric replay`` prints.
 
     ``policy_model``: the learned policy's model file (None = the built-in one)."""
-    from kvfabric.config import HookSettings
-    from kvfabric.hook.install import build_hook, engine_id
+    from kvfabric.engine.config import HookSettings
+    from kvfabric.engine.install import build_hook, engine_id
     from kvfabric.sim.harness import SimulatedEngine, build_scheduler, make_request
     from kvfabric.sim.workload import iter_trace_workload
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.argtypes import int_range, nonneg_float, port, positive_int
-from kvfabric.config import DEFAULT_HTTP_HOST
 from kvfabric.usage import UsageError
 
 __all__ = ["DEFAULT_MODEL", "LATENCY_BY_MODEL", "TokenIdsOnly", "build_vllm_argv", "configure", "run", "sim_env"]
@@ -35,6 +34,9 @@ DEFAULT_MODEL = "llama-3-8b"
 #: Latency model (kvfabric/sim/latency.py) measured for each bundled shape; other shapes default to ``llama``.
 LATENCY_BY_MODEL = {"llama-3-8b": "llama", "qwen2-0.5b": "qwen"}
 EXECUTOR = "kvfabric.sim.executor.SimulatedExecutor"
+
+LOOPBACK = "127.0.0.1"  # the simulated server binds loopback unless told otherwise
+
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +71,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="stream lifecycle events to this collector socket (sets KVFABRIC_LIFECYCLE=1 and "
                              "KVFABRIC_SINK=unix://PATH); without it the environment decides")
     parser.add_argument("--run-id", default=None, help="KVFABRIC_RUN_ID: the label on every event of this server")
-    parser.add_argument("--host", default=DEFAULT_HTTP_HOST, help=f"HTTP host (default {DEFAULT_HTTP_HOST})")
+    parser.add_argument("--host", default=LOOPBACK, help=f"HTTP host (default {LOOPBACK})")
     parser.add_argument("--port", type=port, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--latency", default=None,
                         help="latency model: llama, qwen, qwen-fit, zero (default: the one measured for the shape)")

@@ -3,7 +3,7 @@ prompts without downloading a model.
 
 A Hugging Face fast tokenizer built in code (no file to fetch), written next to the model's ``config.json``:
 
-* token ``i`` in ``[TOKEN_ID_LOW, TOKEN_ID_HIGH)`` is the pseudo-word :func:`kvfabric.bench.prompts.word` ``(i)``
+* token ``i`` in ``[TOKEN_ID_LOW, TOKEN_ID_HIGH)`` is the pseudo-word :func:`word` ``(i)``
   (SentencePiece style: ``"▁" + word``). Words are split on spaces, so the benchmark's text prompts (one
   pseudo-word per drawn token) tokenize to exactly the token ids the token-prompt format would send, and the
   simulated model's answers (token ids in the same range) detokenize to words that tokenize back to themselves: a
@@ -25,10 +25,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvfabric.bench.prompts import word
 from kvfabric.sim.harness import TOKEN_ID_HIGH, TOKEN_ID_LOW
 
-__all__ = ["CHAT_TEMPLATE", "ROLE_TOKENS", "SPACE", "write_word_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "ROLE_TOKENS", "SPACE", "word", "write_word_tokenizer"]
+
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstvz" for v in "aeiou"]  # 85 syllables
+
+
+def word(token_id: int) -> str:
+    """The pseudo-word standing for ``token_id`` in text prompts (two or three syllables, lowercase ASCII)."""
+    n = len(_SYLLABLES)
+    a, rest = token_id % n, token_id // n
+    b, rest = rest % n, rest // n
+    return _SYLLABLES[a] + _SYLLABLES[b] + (_SYLLABLES[rest % n] if rest else "")
+
 
 SPACE = "\u2581"  # "▁": SentencePiece's word-start mark
 SPECIALS = ("<unk>", "<s>", "</s>")

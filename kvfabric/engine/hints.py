@@ -1,0 +1,54 @@
+"""Request hints: the one place that reads what a client said about a request.
+
+Hints travel in ``SamplingParams.extra_args`` (``vllm_xargs`` on the OpenAI server), docs/design.md §3:
+``kvfabric_family`` names the request's family, ``kvfabric_session`` names its conversation (vLLM 0.33's own
+``request.session_id`` stands in when absent), ``kvfabric_session_end`` says this is the conversation's last turn.
+Read on vLLM's scheduler thread from vLLM's ``Request`` objects (duck-typed: any object with those attributes);
+what a policy sees of them is a :class:`~kvfabric.policies.base.RequestInfo`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfabric.policies.base import RequestInfo
+
+
+def _extra_args(request: Any) -> dict[str, Any]:
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    return extra if isinstance(extra, dict) else {}
+
+
+def request_info(request: Any) -> RequestInfo:
+    """Everything a client said about ``request`` (absent hints are None / False)."""
+    extra = _extra_args(request)
+    session = extra.get("kvfabric_session")
+    if session is None:
+        session = getattr(request, "session_id", None)
+    family = extra.get("kvfabric_family")
+    return RequestInfo(
+        request_id=str(getattr(request, "request_id", "")),
+        family=None if family is None or family == "" else str(family),
+        session=None if session is None else str(session),
+        session_end=bool(extra.get("kvfabric_session_end", False)),
+    )
+
+
+def hinted(request: Any) -> bool:
+    """Whether the client named a family or a session (the admission gate trusts such requests)."""
+    extra = _extra_args(request)
+    return bool(extra.get("kvfabric_family") or extra.get("kvfabric_session"))
+
+
+def named_family(request: Any, from_request_id: bool = False) -> str | None:
+    """The family the request itself names: its ``kvfabric_family`` hint, else (opted in) its request id's part
+    before the first ``/``; None when it names none."""
+    hint = _extra_args(request).get("kvfabric_family")
+    if hint:
+        return str(hint)
+    if from_request_id:
+        rid = getattr(request, "request_id", "")
+        if "/" in rid:
+            return rid.split("/", 1)[0]
+    return None

@@ -1,0 +1,89 @@
+"""Cache-aware hold (``KVFABRIC_CACHE_AWARE_SCHEDULING=1``, off by default): a waiting request whose next uncached
+block is being prefilled right now by a running request is held back (skipped for this step) until that request has
+sealed the shared blocks, so it hits them instead of computing them a second time.
+
+Runs on vLLM's scheduler thread, inside ``Scheduler._handle_blocked_waiting_request`` (an instance attribute wraps
+it); the hold owns only its counters. A failure turns the hold off (logged once); vLLM's own answer then stands.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+log = logging.getLogger("kvfabric.engine")
+
+
+class CacheAwareHold:
+    """Hold back a waiting request while a running request prefills the blocks it is about to need.
+
+    Rule, for a fresh waiting request R and each running request P still in its prompt: let ``g`` be the number of
+    P's blocks already hashed (sealed, including this step's chunk). If R's block ``g`` is P's block ``g`` (equal
+    chained hashes: the whole prefix up to ``g`` is shared) and no cached copy of it exists, R would compute blocks
+    P is about to produce, so R is skipped for this step (vLLM's own "skip" path: it keeps its place in the queue).
+    O(running prefills) per waiting request, no scan of blocks. R is released as soon as P passes the point where
+    they diverge, finishes its prompt, or stops running, so a hold lasts at most one prefill.
+    """
+
+    def __init__(self, scheduler: Any, pool: Any, block_size: int) -> None:
+        self.scheduler = scheduler
+        self.pool = pool
+        self.block_size = block_size
+        self.held_steps = 0  # (request, step) pairs held
+        self.held_requests: set[str] = set()
+        self.errors = 0
+        self._managers = self._single_type_managers(scheduler)
+
+    @staticmethod
+    def _single_type_managers(scheduler: Any) -> list[Any]:
+        coord = getattr(getattr(scheduler, "kv_cache_manager", None), "coordinator", None)
+        return list(getattr(coord, "single_type_managers", ()) or ())
+
+    def _sealed_blocks(self, p: Any) -> int:
+        for m in self._managers:
+            n = getattr(m, "num_cached_block", None)
+            if n is not None:
+                return int(n.get(p.request_id, 0))
+        return p.num_computed_tokens // self.block_size
+
+    def should_hold(self, request: Any) -> bool:
+        if request.num_computed_tokens != 0:
+            return False
+        r_hashes = request.block_hashes
+        if not r_hashes:
+            return False
+        bs = self.block_size
+        for p in self.scheduler.running:
+            if p is request or p.num_computed_tokens >= p.num_prompt_tokens:
+                continue
+            g = self._sealed_blocks(p)
+            if g >= len(r_hashes) or g >= p.num_prompt_tokens // bs or g >= len(p.block_hashes):
+                continue
+            if r_hashes[g] != p.block_hashes[g]:
+                continue
+            if self.pool.get_cached_block(r_hashes[g], [0]) is not None:
+                continue  # another copy is cached already: nothing to wait for
+            return True
+        return False
+
+    def attach(self) -> None:
+        original = self.scheduler._handle_blocked_waiting_request
+
+        @functools.wraps(original)
+        def kvfabric_handle_blocked_waiting_request(request: Any) -> bool:
+            ready = original(request)
+            if not ready:
+                return ready
+            try:
+                if self.should_hold(request):
+                    self.held_steps += 1
+                    self.held_requests.add(request.request_id)
+                    return False
+            except Exception:
+                self.errors += 1
+                if self.errors == 1:
+                    log.exception("kvfabric: cache-aware scheduling failed; requests are no longer held")
+            return True
+
+        self.scheduler._handle_blocked_waiting_request = kvfabric_handle_blocked_waiting_request

@@ -1,6 +1,0 @@
-"""Type stub of the ring's compiled ordering (kvfabric/hook/_ring.c; see ring.py)."""
-
-from mmap import mmap
-
-def load_acquire(buffer: mmap | bytearray | memoryview, offset: int) -> int: ...
-def store_release(buffer: mmap | bytearray | memoryview, offset: int, value: int) -> None: ...

@@ -1,0 +1,1 @@
+"""Kits the tests share (see ``tests/conftest.py``)."""
