@@ -18,6 +18,10 @@ word  written by                  meaning
 3     consumer                    events accounted for: delivered, or lost and reported (monotonic)
 4     producer                    1 once the producer is closing: drain, then exit
 5     consumer                    the consumer's pid while it runs
+6     consumer                    events handed to the destination: accounted for, or sent (written to
+                                  the collector's socket) and not yet acknowledged; stored before the
+                                  bytes leave. Word 6 minus word 3 bounds what a dead consumer may have
+                                  had stored although its parent counts it lost (docs/reliability.md §1)
 ====  ==========================  ==============================================================
 
 Messages are ``<u32 length><payload>``; one that would cross the end of the data area is preceded by a wrap
@@ -65,7 +69,7 @@ _WORD = struct.Struct("=Q")
 _LEN = struct.Struct("=I")
 _WRAP = 0xFFFFFFFF
 
-W_WRITE, W_READ, W_EXPANDED, W_ACCOUNTED, W_CLOSING, W_CONSUMER = range(6)
+W_WRITE, W_READ, W_EXPANDED, W_ACCOUNTED, W_CLOSING, W_CONSUMER, W_SENT = range(7)
 
 COMPILED = load_acquire is not None
 """Whether the install built the compiled ordering (``kvfabric/contract/_ring.c``)."""

@@ -3,8 +3,8 @@
 Both run in the forwarder process: the main loop expands records and appends rows; the sink thread drains them.
 
 Invariants:
-  * ``append`` is the only call on the expanding path: one bound check and one ``deque.append`` (atomic under the
-    GIL), no lock, no I/O, never raises;
+  * ``append`` and ``extend`` are the only calls on the expanding path: one bound check and one ``deque.append``
+    (or ``extend``, atomic under the GIL), no lock, no I/O, never raise;
   * at most ``capacity`` events are held; beyond that events are *counted* in ``dropped`` and discarded, so a slow
     or dead collector costs the main loop nothing but the count (the forwarder applies backpressure before this
     bound, so in practice the ring fills first and the engine counts what it cannot hand over);
@@ -40,6 +40,21 @@ class EventBuffer:
             return
         rows.append(row)
         if n + 1 == self.wake_at:
+            self.wakeup.set()
+
+    def extend(self, rows: list[tuple]) -> None:
+        """``append`` for each of ``rows``, in one call (the forwarder's loop hands over a message's rows at once)."""
+        n = len(rows)
+        if not n:
+            return
+        self.total += n
+        held = len(self._rows)
+        room = max(0, self.capacity - held)
+        if n > room:
+            self.dropped += n - room
+            rows = rows[:room]
+        self._rows.extend(rows)
+        if held < self.wake_at <= held + len(rows):
             self.wakeup.set()
 
     def drain(self, limit: int | None = None) -> list[tuple]:

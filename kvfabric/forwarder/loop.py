@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvfabric.contract.ring import W_ACCOUNTED, W_CLOSING, W_CONSUMER, W_EXPANDED, Ring
+from kvfabric.contract.ring import W_ACCOUNTED, W_CLOSING, W_CONSUMER, W_EXPANDED, W_SENT, Ring
 from kvfabric.forwarder.buffer import EventBuffer
 from kvfabric.forwarder.sinks import JsonlSink, Sink, UnixArrowSink
 from kvfabric.lifecycle.expander import expander_from_metadata
@@ -28,17 +28,30 @@ def accounted(sink: Sink) -> int:
     return sink.sent_events + sink.reported_lost
 
 
+def handed(sink: Sink) -> int:
+    """Rows handed to the destination: accounted for, or sent and not yet confirmed (at least ``accounted``)."""
+    fn = getattr(sink, "handed_events", None)
+    if callable(fn):
+        return int(fn())
+    return accounted(sink)
+
+
 def publish_accounting(ring: Ring, sink: Sink) -> Callable[[], None]:
-    """Publish in the ring's header how many events ``sink`` has accounted for: after every batch it delivers (from
-    its thread, ``Sink.on_progress``) and whenever the returned function is called (the main loop). A forwarder
-    killed while busy, its loop never idle, then leaves its parent a count that is at most one unacknowledged
-    window behind, so events the collector committed are not counted lost. The lock keeps each read of the count
-    and its write together, so the two threads never publish an older count over a newer one."""
+    """Publish in the ring's header how many events ``sink`` has accounted for (``W_ACCOUNTED``) and handed to the
+    destination (``W_SENT``): before every batch it sends and after every acknowledgement it reads (from its
+    thread, ``Sink.on_progress``; it reads acknowledgements as they arrive, even while it idles between flushes)
+    and whenever the returned function is called (the main loop). A forwarder killed, busy or idle, then leaves its
+    parent a count behind only by the batches sent and not yet acknowledged, and says how many events those hold
+    (``W_SENT - W_ACCOUNTED``): the only events counted lost that the collector may have stored. The lock keeps
+    each read of the counts and its write together, so the two threads never publish an older count over a newer
+    one."""
     lock = threading.Lock()
 
     def publish() -> None:
         with lock:
-            ring.set_word(W_ACCOUNTED, accounted(sink))
+            done = accounted(sink)
+            ring.set_word(W_SENT, max(done, handed(sink)))
+            ring.set_word(W_ACCOUNTED, done)
 
     sink.on_progress = publish
     return publish
@@ -46,11 +59,16 @@ def publish_accounting(ring: Ring, sink: Sink) -> Callable[[], None]:
 
 def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: int, flush_ms: int,
             buffer_events: int) -> int:
+    ring.set_word(W_SENT, 0)  # (a dead forwarder's count; the parent resets the words it reads after a death)
     ring.set_word(W_CONSUMER, os.getpid())
     parent = os.getppid()
     # Room for one whole step beyond the backpressure bound, so that this buffer itself never has to drop.
     buffer = EventBuffer(buffer_events + 1_000_000, batch_events)
-    expander = expander_from_metadata(metadata, buffer.append)
+    # A message's rows are staged, counted in W_EXPANDED, and only then offered to the sink: the header never
+    # says a row was accounted for before it says the row was expanded (a forwarder killed in between would
+    # leave its parent counting fewer events made than the collector stored).
+    staged: list[tuple] = []
+    expander = expander_from_metadata(metadata, staged.append)
 
     def dropped_row(count: int) -> tuple:
         return expander.dropped_row(count, time.time_ns())
@@ -82,10 +100,15 @@ def forward(ring: Ring, sink_spec: str, metadata: dict[str, str], batch_events: 
                 records = marshal.loads(data)
             except (ValueError, EOFError, TypeError):
                 undecodable += 1
+                ring.set_word(W_EXPANDED, expander.events + undecodable)
                 buffer.append(dropped_row(1))  # one message lost; at least one event: counted, not guessed
                 continue
-            expander.apply(records)
-            ring.set_word(W_EXPANDED, expander.events + undecodable)
+            try:
+                expander.apply(records)
+            finally:
+                ring.set_word(W_EXPANDED, expander.events + undecodable)
+                buffer.extend(staged)
+                staged.clear()
             # Backpressure, never a second place that drops: while the collector is slow or away, stop reading.
             # The ring fills, and the parent counts what it cannot hand over.
             while len(buffer) > buffer_events:

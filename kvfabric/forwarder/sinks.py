@@ -269,15 +269,25 @@ class Sink:
         """Events the destination has (delivered), plus lost events already reported in a delivered row."""
         return self.sent_events + self.reported_lost
 
+    def handed_events(self) -> int:
+        """Events handed to the destination (plus lost events reported in rows handed to it): accounted for, or
+        sent and not yet confirmed. Minus :meth:`accounted_events`, what a sink that dies now may have delivered
+        without knowing it (0 for a sink whose write is its delivery)."""
+        return self.sent_events + self.reported_lost
+
     def _run(self) -> None:
         wakeup = self.buffer.wakeup
         while not self._stop.is_set():
-            wakeup.wait(self.flush_s)
+            self._idle(wakeup)
             wakeup.clear()
             try:
                 self._flush(final=False)
             except Exception as exc:  # the thread must survive anything a destination does
                 self._internal_error(exc)
+
+    def _idle(self, wakeup: threading.Event) -> None:
+        """Between flushes: until ``flush_s`` has passed or the buffer wakes the thread."""
+        wakeup.wait(self.flush_s)
 
     def _internal_error(self, exc: Exception) -> None:
         """A flush raised what no destination should: counted and logged like a failure (its traceback once)."""
@@ -382,6 +392,11 @@ DEFAULT_REPLAY_EVENTS = 262_144
 batch size, 64 batches, several hundred ms of the fastest streams measured)."""
 
 
+ACK_POLL_S = 0.01
+"""While batches wait for their acknowledgement, the idle sink thread reads the socket for it in slices this
+long, checking between them whether the buffer woke it: acknowledgements are read as they arrive."""
+
+
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC end-of-stream marker
 
 
@@ -443,6 +458,25 @@ class UnixArrowSink(Sink):
         """Events the collector has accounted for: committed, or refused and counted by it, plus lost events
         reported in a committed ``sink_dropped`` row. Never counts a batch merely written to the socket."""
         return self.acked_events + self.refused_events + self.acked_reported
+
+    def _idle(self, wakeup: threading.Event) -> None:
+        """Between flushes, while batches wait for their acknowledgement: read acknowledgements as they arrive
+        (each publishes the accounting, ``on_progress``), checking the buffer's wakeup every ``ACK_POLL_S``.
+        Otherwise an acknowledgement would wait for the next flush (``flush_s``, however long it is) and a
+        forwarder killed meanwhile would leave events the collector committed counted as lost."""
+        deadline = time.monotonic() + self.flush_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stop.is_set():
+                return
+            if not self._unacked or self._sock is None:
+                wakeup.wait(left)
+                return
+            if wakeup.is_set():
+                return
+            with self._flush_lock:  # held at most ACK_POLL_S: close() takes it next
+                if self._unacked and self._sock is not None:
+                    self._read_acks(min(left, ACK_POLL_S))
 
     @property
     def unacked_events(self) -> int:
@@ -548,6 +582,8 @@ class UnixArrowSink(Sink):
             self._unacked.append(_Unacked(seq, message, len(rows), n_events, pending))
             self._unacked_rows += len(rows)
             self._count_sent(len(rows), n_events, pending)
+            if self.on_progress is not None:
+                self.on_progress()  # handed_events() reaches the ring's header before the bytes leave
             if not self._send(message):
                 return
             self._sent_upto += 1

@@ -22,7 +22,7 @@ import pytest
 
 from kvfabric.contract import protocol as P
 from kvfabric.contract import schema as S
-from kvfabric.contract.ring import W_ACCOUNTED, Ring
+from kvfabric.contract.ring import W_ACCOUNTED, W_SENT, Ring
 from kvfabric.forwarder import loop as forwarder
 from kvfabric.forwarder.buffer import EventBuffer
 from kvfabric.forwarder.sinks import JsonlSink, UnixArrowSink
@@ -289,6 +289,30 @@ def test_acknowledged_batches_reach_the_rings_header_while_the_forwarder_is_busy
             buffer.append(row(i))
         wait_for(lambda: ring.word(W_ACCOUNTED) == 50)
         assert forwarder.accounted(sink) == 50
+    finally:
+        sink.close()
+        server.close()
+        ring.close()
+
+
+def test_an_idle_sink_reads_acknowledgements_as_they_arrive(tmp_path: Path) -> None:
+    """A batch sent, then nothing to send for a long flush interval: its acknowledgement must still reach the
+    ring's header at once. (It used to wait for the next flush, 10 minutes here, and a forwarder killed meanwhile
+    left events the collector had committed counted lost: stored + lost > emitted.) W_SENT covers the batch from
+    before it is sent: W_SENT - W_ACCOUNTED is what a forwarder killed then may have had stored."""
+    path = str(tmp_path / "i.sock")
+    server = StreamServer(path)
+    ring = Ring.create(1 << 12)
+    buffer = EventBuffer(capacity=10_000, wake_at=1_000_000)
+    sink = UnixArrowSink(path, buffer, dict(META), dropped_row, batch_events=1_000_000, flush_ms=600_000)
+    forwarder.publish_accounting(ring, sink)
+    try:
+        for i in range(30):
+            buffer.append(row(i))
+        sink.start()  # its first round runs at once (wakeup set): connects, sends the 30 rows, then idles
+        buffer.wakeup.set()
+        wait_for(lambda: ring.word(W_ACCOUNTED) == 30, timeout=5.0)
+        assert ring.word(W_SENT) == 30 and sink.handed_events() == 30
     finally:
         sink.close()
         server.close()
