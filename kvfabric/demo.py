@@ -28,8 +28,11 @@ from typing import Any
 
 from kvfabric.argtypes import int_range, port
 from kvfabric.collector import CollectorConfig, CollectorProcess
+from kvfabric.collector.export import export_parquet
 from kvfabric.ingest import defaults as D
 from kvfabric.policies import POLICY_NAMES
+from kvfabric.sim.harness import SimulatedEngine
+from kvfabric.sim.workload import DEMO_NUM_BLOCKS, demo_workload
 from kvfabric.usage import UsageError
 
 #: The largest KV pool the demo takes (blocks of 16 tokens; the default 640 is what makes the pressure).
@@ -156,8 +159,6 @@ def run_workload(sock: str, run_id: str, policy: str, items: list[Any], blocks: 
         # torch and vLLM print harmless CPU-only warnings at import (no CUDA runtime, no vllm._C): keep the
         # report readable; real errors still surface.
         with _quiet_stderr() as noise:
-            from kvfabric.sim.harness import SimulatedEngine
-
             engine = SimulatedEngine.create(blocks)  # build_scheduler loads vLLM's general plugins: ours included
         for line in noise():
             if "Traceback" in line or ("Error" in line and "vllm._C" not in line):
@@ -240,8 +241,6 @@ def export_and_count(db: str, out: str, run_id: str) -> dict[str, int]:
     """Export to hive-partitioned Parquet and count the run's events back with DuckDB."""
     import duckdb
 
-    from kvfabric.collector.export import export_parquet
-
     if os.path.isdir(out):
         shutil.rmtree(out)
     export_parquet(db, out)
@@ -303,8 +302,6 @@ def snapshot_database(db: str, into: str, attempts: int = 40) -> str:
 
 def run(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
-    from kvfabric.sim.workload import DEMO_NUM_BLOCKS, demo_workload
-
     items = demo_workload(args.seed)
     blocks = DEMO_NUM_BLOCKS if args.num_blocks is None else args.num_blocks
     check_num_blocks(blocks, items)  # before anything starts: a bad value leaves nothing behind

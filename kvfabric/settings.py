@@ -22,7 +22,6 @@ it in every process that loads plugins, with KVFabric on or off.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import os
@@ -200,8 +199,14 @@ def _policy_names() -> tuple[str, ...]:
     return POLICY_NAMES
 
 
+#: The simulated GPU's latency models by name (``KVFABRIC_SIM_LATENCY``, ``--latency``). Named here, beneath the
+#: simulator, so the table checks a value without importing it; :mod:`kvfabric.sim.latency` defines one model per
+#: name, in this order, and refuses to load otherwise.
+LATENCY_MODEL_NAMES: tuple[str, ...] = ("zero", "qwen", "qwen-fit", "llama")
+
+
 def _latency_models() -> tuple[str, ...]:
-    return tuple(importlib.import_module("kvfabric.sim.latency").LATENCY_MODELS)
+    return LATENCY_MODEL_NAMES
 
 
 SETTINGS: tuple[Setting, ...] = (

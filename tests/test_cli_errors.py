@@ -17,14 +17,12 @@ import socket
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
-import httpx
 import pyarrow.parquet as pq
 import pytest
-from support.collector_testkit import HASH_STORY, collector_files, golden_streams, send_golden, wait_until
+from support.collector_testkit import HASH_STORY, golden_streams
 
 import kvfabric
 from kvfabric.argtypes import shows_default
@@ -45,17 +43,6 @@ def _one_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def golden_db() -> Iterator[str]:
-    """A collector database of the golden workload (runA: engines e0, e1; runB: e0), written by a real collector."""
-    with collector_files() as files:
-        with files.process():
-            total = send_golden(files.socket_path)
-            wait_until(lambda: sum(r["events"] for r in httpx.get(files.http_url + "/api/v1/runs").json()) == total,
-                       what="golden committed")
-        yield files.db_path
 
 
 @pytest.fixture()

@@ -273,6 +273,15 @@ def test_limits_are_shared_not_copied() -> None:
     assert T.BY_NAME["KVFABRIC_BATCH_EVENTS"].maximum + 1 <= P.MAX_BATCH_ROWS  # type: ignore[operator]
 
 
+def test_latency_model_names_are_the_simulators() -> None:
+    # The table names the models without importing the simulator (above it); the simulator checks the names at load.
+    from kvfabric.sim.latency import LATENCY_MODELS
+
+    assert tuple(LATENCY_MODELS) == T.LATENCY_MODEL_NAMES
+    assert T.BY_NAME["KVFABRIC_SIM_LATENCY"].default in T.LATENCY_MODEL_NAMES
+    assert T.BY_NAME["KVFABRIC_SIM_LATENCY"].accepted() == "/".join(T.LATENCY_MODEL_NAMES)
+
+
 def test_settings_metadata_fits_the_collector() -> None:
     worst = load_hook_settings({n: "\udcff" + "w" * 5000 for n in T.BY_NAME if T.BY_NAME[n].field})
     assert len(json.dumps(worst.as_metadata())) < P.MAX_SETTINGS_CHARS

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.queries import QueryRunner
+from kvfabric.sim.offline import TraceRequest
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake traces (and what ``kvfabric replay`` reads)."""
@@ -148,8 +149,6 @@ def to_trace_requests(admissions: Sequence[RecordedAdmission]) -> list[Any]:
     """:class:`kvfabric.sim.offline.TraceRequest` rows at the run's own block size (replay with
     ``trace_block_tokens=block_size``). ``output_length`` is the output less its last token, so the replay
     allocates the blocks the engine allocated (it gives every output token a slot)."""
-    from kvfabric.sim.offline import TraceRequest
-
     ids = HashIds()
     t0 = admissions[0].ts_ns if admissions else 0
     return [

@@ -26,7 +26,9 @@ from typing import Any
 
 from kvfabric.analysis.traffic import RecordedAdmission, mean_concurrency, recorded_traffic, to_trace_requests
 from kvfabric.argtypes import int_range, positive_int
-from kvfabric.queries import BadParameter, QueryRunner
+from kvfabric.policies import POLICY_NAMES
+from kvfabric.queries import BadParameter, DatabaseUnavailable, QueryRunner, UnknownRun
+from kvfabric.sim.offline import simulate
 from kvfabric.usage import UsageError
 
 TOLERANCE = 0.02
@@ -40,15 +42,11 @@ GIL, so ingest slows meanwhile. The CLI, on a database no collector holds, has n
 
 
 def policy_names() -> tuple[str, ...]:
-    from kvfabric.policies import POLICY_NAMES
-
     return (*POLICY_NAMES, OPTIMAL)
 
 
 def _simulate(trace: list[Any], block_size: int, policy: str, num_blocks: int, concurrency: int,
               progress: Iterator[Any] | None) -> dict[str, Any]:
-    from kvfabric.sim.offline import simulate
-
     try:
         return simulate(trace, policy, num_blocks, block_size=block_size, max_output_tokens=None,
                         concurrency=concurrency, trace_block_tokens=block_size, progress=progress)
@@ -201,8 +199,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfabric.queries import DatabaseUnavailable, UnknownRun
-
     try:
         out = whatif(QueryRunner.for_path(args.db), args.run, args.policy, args.num_blocks, args.concurrency,
                      progress=not args.no_progress and args.format == "text")

@@ -34,6 +34,8 @@ from typing import Any
 
 from kvfabric.argtypes import int_range, nonneg_float, nonneg_int, positive_float, positive_int
 from kvfabric.argtypes import port as tcp_port
+from kvfabric.bench.analytics import fetch_run, read_events, wait_quiescent
+from kvfabric.bench.report import build, json_line, print_table, write_report
 from kvfabric.bench.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario
 from kvfabric.bench.servers import (
     PLACEHOLDERS,
@@ -43,6 +45,7 @@ from kvfabric.bench.servers import (
     check_serve_cmd,
     serve_command,
 )
+from kvfabric.policies import POLICY_NAMES
 from kvfabric.usage import UsageError
 
 __all__ = ["IDLE_HANDSHAKE_S", "configure", "run"]
@@ -122,8 +125,6 @@ def _arm_order(policies: list[str], repeat: int) -> list[tuple[int, str]]:
 def _validate(args: argparse.Namespace) -> tuple[list[Scenario], list[str]]:
     from dataclasses import replace
 
-    from kvfabric.policies import POLICY_NAMES
-
     if not args.scenario:
         raise ScenarioError("--scenario is required")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -161,6 +162,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[Scenario], list[str]]:
 
 
 async def _bench(scenario: Scenario, url: str, run_id: str, progress: bool, desc: str) -> dict[str, Any]:
+    # (the client loads httpx: only when an arm runs, so `kvfabric ab --help` stays fast)
     from kvfabric.bench.client import CompletionClient, discover_model
     from kvfabric.bench.runner import run_scenario
 
@@ -202,8 +204,7 @@ def _plan_arms(scenarios: list[Scenario], policies: list[str], repeat: int, out:
 def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list[str], out: Path) -> list[Path]:
     """Run every arm against one collector; write each scenario's ``plan.json`` and runs. Returns the scenario
     output directories."""
-    from kvfabric.bench.analytics import fetch_run, read_events, wait_quiescent
-    from kvfabric.collector import CollectorConfig, CollectorProcess
+    from kvfabric.collector import CollectorConfig, CollectorProcess  # (FastAPI, DuckDB: not for --help)
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     arms = _plan_arms(scenarios, policies, args.repeat, out, stamp)
@@ -313,8 +314,6 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfabric.bench.report import build, json_line, print_table, write_report
-
     try:
         if args.report_only:
             if not args.out or not Path(args.out).is_dir():

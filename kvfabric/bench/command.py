@@ -131,7 +131,7 @@ async def wait_ready(endpoint: str, wait_s: float) -> str:
     """Poll ``/v1/models`` until it answers (at most ``wait_s``); return the first model id."""
     import httpx
 
-    from kvfabric.bench.client import discover_model
+    from kvfabric.bench.client import discover_model  # (httpx: not for `kvfabric bench --help`)
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -165,6 +165,7 @@ def print_summary(s: dict[str, Any], *, title: str) -> None:
 
 
 async def _main(args: argparse.Namespace, scenario: Scenario) -> dict[str, Any]:
+    # (the client loads httpx: only when a benchmark runs, so `kvfabric bench --help` stays fast)
     from kvfabric.bench.client import CompletionClient
     from kvfabric.bench.runner import run_scenario
 

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.bench.table_rows import gap_closed, pick, trace_name
+from kvfabric.learn.fit import learn
+from kvfabric.learn.source import from_trace
+from kvfabric.policies.reuse_model import DEFAULT_FEATURES
 
 MODELS_DIR = "benchmarks/results/policy_models"
 HALF_BLOCK_SIZE = 512
@@ -53,10 +56,6 @@ def model_tasks(traces: Sequence[str], block_size: int, models_dir: str) -> list
 
 def train(task: dict[str, Any]) -> dict[str, Any]:
     """One model (a worker process): the learner's own code, default features and capacities."""
-    from kvfabric.learn.fit import learn
-    from kvfabric.learn.source import from_trace
-    from kvfabric.policies.reuse_model import DEFAULT_FEATURES
-
     t0 = time.perf_counter()
     traffic = from_trace(task["trace"], task["block_size"], task["skip"], task["limit"])
     model = learn(traffic, DEFAULT_FEATURES, (0.05, 0.2))

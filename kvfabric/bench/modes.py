@@ -28,12 +28,11 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from kvfabric.bench.prompts import Prompt, Reply, draw_tokens
-
-if TYPE_CHECKING:
-    from kvfabric.sim.tracecheck import TraceScan
+from kvfabric.sim.tracecheck import TraceError, TraceScan, scan_trace
+from kvfabric.sim.workload import iter_trace_workload
 
 __all__ = [
     "MODES",
@@ -344,8 +343,6 @@ class DatasetParams(_Params):
 
     def scan(self) -> TraceScan:
         """The trace's rows checked (:func:`kvfabric.sim.tracecheck.scan_trace`), once per parameter set."""
-        from kvfabric.sim.tracecheck import TraceError, scan_trace
-
         if self not in _SCANS:
             try:
                 _SCANS[self] = scan_trace(self.path, self.limit, max_input_tokens=self.max_input_tokens,
@@ -444,8 +441,6 @@ def _fork(p: ForkParams, seed: int | str) -> Iterator[Session]:
 
 
 def _dataset(p: DatasetParams, seed: int | str) -> Iterator[Session]:
-    from kvfabric.sim.workload import iter_trace_workload
-
     scan = p.scan()
     if scan.over_cap and p not in _ANNOUNCED:
         _ANNOUNCED.add(p)

@@ -11,6 +11,8 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # headless: no display on servers and in CI
 import matplotlib.pyplot as plt
 
+from kvfabric.bench.stats import median
+
 __all__ = ["write_plots"]
 
 _COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
@@ -75,8 +77,6 @@ def _ttft_cdf(result: dict[str, Any], path: Path) -> None:
 
 
 def _evictions(result: dict[str, Any], path: Path) -> None:
-    from kvfabric.bench.stats import median
-
     policies = result["policies"]
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for j, p in enumerate(policies):

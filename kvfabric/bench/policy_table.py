@@ -37,6 +37,9 @@ from typing import Any
 
 from kvfabric.bench import learned_table
 from kvfabric.bench.table_rows import gap_closed, pick, trace_name
+from kvfabric.policies.base import PolicySettings
+from kvfabric.sim.offline import load_trace, simulate, unique_blocks
+from kvfabric.sim.replay import replay_real
 
 # Relative to the repository root (run from there): the traces sit beside the checkout, too big to carry in it.
 DEFAULT_TRACES = (
@@ -50,8 +53,6 @@ OURS = "adaptive_aging"
 
 @functools.lru_cache(maxsize=4)
 def _whole(path: str) -> Any:
-    from kvfabric.sim.offline import load_trace
-
     return load_trace(path)
 
 
@@ -61,8 +62,6 @@ def _trace(path: str, limit: int | None, skip: int = 0) -> Any:
 
 
 def _unique(path: str, limit: int | None, block_size: int, skip: int = 0) -> int:
-    from kvfabric.sim.offline import unique_blocks
-
     return unique_blocks(_trace(path, limit, skip), block_size)
 
 
@@ -72,9 +71,6 @@ def _floor(path: str, limit: int | None, block_size: int, skip: int = 0) -> int:
 
 
 def _fast(task: dict[str, Any]) -> dict[str, Any]:
-    from kvfabric.policies.base import PolicySettings
-    from kvfabric.sim.offline import simulate
-
     t0 = time.perf_counter()
     out = simulate(_trace(task["trace"], task.get("limit"), task.get("skip", 0)), task["policy"],
                    task["num_blocks"], block_size=task["block_size"], anchor_blocks=task.get("anchor", 0),
@@ -85,8 +81,6 @@ def _fast(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def _real(task: dict[str, Any]) -> dict[str, Any]:
-    from kvfabric.sim.replay import replay_real
-
     out = replay_real(task["trace"], task["policy"], task["num_blocks"], limit=task["limit"],
                       block_size=task["block_size"], progress=False, policy_model=task.get("model"))
     out.update(task)

@@ -455,7 +455,7 @@ def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
 def write_report(out: Path, result: dict[str, Any]) -> None:
     """``ab.json``, ``plots/*.png`` (when matplotlib is installed) and ``report.md`` in ``out``."""
     try:
-        from kvfabric.bench.plots import write_plots
+        from kvfabric.bench.plots import write_plots  # (imports matplotlib, which is optional)
 
         plots = write_plots(out / "plots", result)
     except ImportError:

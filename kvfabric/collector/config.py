@@ -15,6 +15,7 @@ from kvfabric.argtypes import duckdb_setting, nonneg_float, nonneg_int, port, po
 from kvfabric.contract.protocol import default_socket_path
 from kvfabric.ingest import IngestSettings
 from kvfabric.ingest import defaults as D
+from kvfabric.ingest.server import parse_uids
 
 TOKEN_ENV = "KVFABRIC_API_TOKEN"
 
@@ -57,8 +58,6 @@ class CollectorConfig:
         return token or None
 
     def ingest_settings(self) -> IngestSettings:
-        from kvfabric.ingest.server import parse_uids
-
         return IngestSettings(
             db_path=self.db_path,
             socket_path=self.socket_path,

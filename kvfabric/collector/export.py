@@ -19,7 +19,8 @@ import glob
 import os
 
 from kvfabric.argtypes import positive_int
-from kvfabric.queries import connect_read_only
+from kvfabric.collector.mooncake import run_mooncake_export
+from kvfabric.queries import DatabaseUnavailable, UnknownRun, connect_read_only
 from kvfabric.usage import UsageError, unwritable
 
 
@@ -37,8 +38,6 @@ def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = Fals
     per run), ``files``, ``events_glob``, ``streams_path``, ``out_dir``. Raises DatabaseUnavailable, UnknownRun (a
     ``run`` no stream ever named), OSError (``out_dir`` cannot be created), duckdb.IOException (cannot be written).
     """
-    from kvfabric.queries import UnknownRun
-
     events_dir = os.path.join(out_dir, "events")
     streams_dir = os.path.join(out_dir, "streams")
     streams_path = os.path.join(streams_dir, "streams.parquet")
@@ -99,11 +98,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import duckdb
 
-    from kvfabric.queries import DatabaseUnavailable, UnknownRun
-
     if args.format == "mooncake":
-        from kvfabric.collector.mooncake import run_mooncake_export
-
         if args.by_date:
             raise UsageError("--by-date goes with --format parquet (a mooncake trace is one file, not partitioned)")
         return run_mooncake_export(args)

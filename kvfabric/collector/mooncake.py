@@ -23,7 +23,7 @@ import tempfile
 from typing import Any
 
 from kvfabric.analysis.traffic import recorded_traffic, trace_rows
-from kvfabric.queries import QueryRunner
+from kvfabric.queries import DatabaseUnavailable, QueryRunner, UnknownRun
 from kvfabric.usage import UsageError, unwritable
 
 
@@ -63,8 +63,6 @@ def export_mooncake(db_path: str, run: str, out_path: str, *, engine: str | None
 
 
 def run_mooncake_export(args: argparse.Namespace) -> int:
-    from kvfabric.queries import DatabaseUnavailable, UnknownRun
-
     if not args.run:
         raise UsageError("--format mooncake needs --run (the run to export)")
     block_tokens = 512 if args.block_tokens is None else args.block_tokens

@@ -10,7 +10,17 @@ import sys
 from typing import Any
 
 from kvfabric.argtypes import int_range, positive_float
-from kvfabric.queries import MAX_LIMIT, QueryRunner
+from kvfabric.queries import (
+    MAX_LIMIT,
+    QUERY_NAMES,
+    BadParameter,
+    DatabaseUnavailable,
+    NotFound,
+    QueryRunner,
+    QueryTimeout,
+    UnknownRun,
+    parse_block_hash,
+)
 from kvfabric.usage import UsageError
 
 
@@ -36,8 +46,6 @@ _INT64 = int_range(-(1 << 63), (1 << 63) - 1)  # times go to SQL as BIGINT, as R
 
 
 def _block_hash(text: str) -> str:
-    from kvfabric.queries import BadParameter, parse_block_hash
-
     try:
         parse_block_hash(text)
     except BadParameter as exc:
@@ -47,8 +55,6 @@ def _block_hash(text: str) -> str:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """``kvfabric query NAME --db PATH [--run R] ...``."""
-    from kvfabric.queries import QUERY_NAMES
-
     parser.epilog = "what each query needs:\n" + "\n".join(f"  {n:<19} {usage_of(n)}" for n in QUERY_NAMES)
     parser.add_argument("name", choices=QUERY_NAMES, metavar="NAME", help="one of: " + ", ".join(QUERY_NAMES))
     parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file no collector holds (default: %(default)s)")
@@ -194,8 +200,6 @@ def _print_table(result: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfabric.queries import BadParameter, DatabaseUnavailable, NotFound, QueryTimeout, UnknownRun
-
     params = query_params(args.name, {
         "run": args.run, "family": args.family, "engine": args.engine, "block_hash": args.block_hash, "a": args.a,
         "b": args.b, "limit": args.limit, "request_id": args.request_id, "bucket_s": args.bucket_s,

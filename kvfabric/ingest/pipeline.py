@@ -24,6 +24,7 @@ from kvfabric.ingest.server import StreamServer
 from kvfabric.ingest.store import db_size_bytes, open_database
 from kvfabric.ingest.validate import BatchLimits
 from kvfabric.ingest.writer import EventWriter, StopReport
+from kvfabric.queries import DatabaseUnavailable
 
 log = logging.getLogger("kvfabric.ingest")
 
@@ -118,8 +119,6 @@ class IngestPipeline:
         database is being reopened after a storage fault, raises :class:`~kvfabric.queries.DatabaseUnavailable`
         (REST: 503).
         """
-        from kvfabric.queries import DatabaseUnavailable
-
         with self._readers_lock:
             if self._readers_parent is None:
                 raise DatabaseUnavailable("the database is not open (storage failing or collector stopping)")

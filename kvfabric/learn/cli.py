@@ -78,6 +78,7 @@ def _progress_factory(enabled: bool) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    # (pyarrow and DuckDB load only when a model is fitted, so `kvfabric learn --help` stays fast)
     from kvfabric.learn import source
     from kvfabric.learn.fit import learn
     from kvfabric.queries import DatabaseUnavailable, QueryRunner

@@ -30,6 +30,7 @@ from kvfabric.policies.base import BlockStats, RequestInfo
 from kvfabric.policies.learned import LearnedPolicy
 from kvfabric.policies.optimal import occurrences_of
 from kvfabric.policies.reuse_model import ClassStats, ReuseModel, auc_from_counts
+from kvfabric.sim.offline import replay_chains
 
 VALIDATION_SHARE = 0.2
 
@@ -60,8 +61,6 @@ def record(traffic: Traffic, features: Sequence[str], num_blocks: int, split: in
            progress: Any = None) -> tuple[ReuseModel, ReuseModel, dict[str, Any]]:
     """Replay ``traffic`` at ``num_blocks`` under LRU; returns the counts of candidates freed by requests before
     position ``split`` and from it on (each labelled with its next-use distance), and the replay's summary."""
-    from kvfabric.sim.offline import replay_chains
-
     pol = RecordingPolicy(features)
     out = replay_chains(traffic.chains, traffic.input_lengths, [1] * len(traffic), pol, num_blocks,
                         block_size=traffic.block_size, progress=progress)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfabric.contract import schema as S
+from kvfabric.sim.offline import TRACE_BLOCK_TOKENS, block_keys, load_trace
 
 
 @dataclass
@@ -46,8 +47,6 @@ def _sha256(path: str) -> str:
 
 def from_trace(path: str, block_size: int = 16, skip: int = 0, limit: int | None = None) -> Traffic:
     """Rows ``[skip, skip + limit)`` of a ``hash_ids`` JSONL trace (``shared/traces/README.md``)."""
-    from kvfabric.sim.offline import TRACE_BLOCK_TOKENS, block_keys, load_trace
-
     if TRACE_BLOCK_TOKENS % block_size:
         raise ValueError(f"--block-size must divide {TRACE_BLOCK_TOKENS}")
     rows = load_trace(path, None if limit is None else skip + limit)[skip:]

@@ -22,6 +22,7 @@ from typing import Any
 
 import duckdb
 
+from kvfabric.contract import schema as S
 from kvfabric.queries import catalog
 from kvfabric.queries import misses as M
 from kvfabric.queries.params import BadParameter, Cursor, parse_block_hash
@@ -109,8 +110,6 @@ def connect_read_only(db_path: str) -> duckdb.DuckDBPyConnection:
 def _refuse_older_file(con: duckdb.DuckDBPyConnection, error: Exception) -> None:
     """A file of an older schema version lacks columns the queries read: say how to upgrade it, not "Binder Error";
     a DuckDB file that is not a collector's lacks its tables: say so, not "Catalog Error"."""
-    from kvfabric.contract import schema as S
-
     try:
         row = con.execute("SELECT value FROM kvfabric_meta WHERE key = 'schema_version'").fetchone()
     except duckdb.Error:

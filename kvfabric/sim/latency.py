@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from kvfabric.settings import LATENCY_MODEL_NAMES
+
 __all__ = [
     "LATENCY_MODELS",
     "FittedLatencyModel",
@@ -191,6 +193,9 @@ LATENCY_MODELS: dict[str, LatencyModel] = {
     "qwen-fit": FittedLatencyModel(name="qwen-fit", **_QWEN_FIT),
     "llama": FittedLatencyModel(name="llama", **_LLAMA_FIT),
 }
+if tuple(LATENCY_MODELS) != LATENCY_MODEL_NAMES:  # the settings table names the models (it cannot import this)
+    raise RuntimeError(f"kvfabric.settings.LATENCY_MODEL_NAMES {LATENCY_MODEL_NAMES} does not list the latency "
+                       f"models {tuple(LATENCY_MODELS)}: name a new model there too")
 
 
 def get_latency_model(model: str | LatencyModel) -> LatencyModel:

@@ -32,10 +32,18 @@ from typing import Any
 
 from kvfabric.argtypes import int_range, nonneg_int, positive_int
 from kvfabric.contract import schema as S
+from kvfabric.engine.config import HookSettings
 from kvfabric.engine.hints import request_info
+from kvfabric.engine.install import build_hook, engine_id
 from kvfabric.policies import ALL_POLICIES, make_policy
-from kvfabric.policies.base import EvictionPolicy, RequestInfo
+from kvfabric.policies.base import EvictionPolicy, PolicySettings, RequestInfo
 from kvfabric.policies.optimal import occurrences_of
+from kvfabric.policies.reuse_model import load_model
+from kvfabric.sim.harness import SimulatedEngine, build_scheduler, make_request
+from kvfabric.sim.latency import LATENCY_MODELS
+from kvfabric.sim.offline import load_trace, simulate
+from kvfabric.sim.tracecheck import scan_trace
+from kvfabric.sim.workload import iter_trace_workload
 from kvfabric.usage import UsageError
 
 REPLAY_POLICIES: tuple[str, ...] = ALL_POLICIES
@@ -138,11 +146,6 @@ def replay_real(
     """Replay ``trace`` through vLLM's real scheduler; returns the JSON object ``kvfabric replay`` prints.
 
     ``policy_model``: the learned policy's model file (None = the built-in one)."""
-    from kvfabric.engine.config import HookSettings
-    from kvfabric.engine.install import build_hook, engine_id
-    from kvfabric.sim.harness import SimulatedEngine, build_scheduler, make_request
-    from kvfabric.sim.workload import iter_trace_workload
-
     if policy not in REPLAY_POLICIES:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(REPLAY_POLICIES)})")
     items = list(iter_trace_workload(trace, limit=limit, max_output_tokens=max_output_tokens))
@@ -297,9 +300,6 @@ def replay_fast(
     policy_model: str | None = None,
 ) -> dict[str, Any]:
     """The same replay in :mod:`kvfabric.sim.offline` (block level, no vLLM)."""
-    from kvfabric.policies.base import PolicySettings
-    from kvfabric.sim.offline import load_trace, simulate
-
     rows = load_trace(trace, limit)
     bar = None
     ticks = None
@@ -357,7 +357,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(default 0 = off)")
     parser.add_argument("--cache-aware-scheduling", action="store_true",
                         help="hold waiting requests whose prefix a running request is prefilling")
-    from kvfabric.sim.latency import LATENCY_MODELS
 
     parser.add_argument("--latency", default="qwen", choices=sorted(LATENCY_MODELS),
                         help="latency model of the simulated GPU (default: qwen)")
@@ -366,8 +365,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfabric.sim.tracecheck import scan_trace
-
     if not os.path.isfile(args.trace):
         raise UsageError(f"--trace: no trace file {args.trace!r}")
     try:
@@ -381,8 +378,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.policy_model:
-        from kvfabric.policies.reuse_model import load_model
-
         if args.policy != "learned":
             raise UsageError("--policy-model goes with --policy learned")
         load_model(args.policy_model)  # a ModelError (ValueError) here is one line and exit 2

@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.argtypes import int_range, nonneg_float, port, positive_int
+from kvfabric.policies import POLICY_NAMES
+from kvfabric.sim.harness import resolve_model_dir
+from kvfabric.sim.latency import LATENCY_MODELS
+from kvfabric.sim.tokenizer import write_word_tokenizer
 from kvfabric.usage import UsageError
 
 __all__ = ["DEFAULT_MODEL", "LATENCY_BY_MODEL", "TokenIdsOnly", "build_vllm_argv", "configure", "run", "sim_env"]
@@ -53,7 +57,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "\"max_tokens\": 4}'\n"
         "  (the simulated model answers with pseudo-words: fixed for a given prompt, never EOS)"
     )
-    from kvfabric.policies import POLICY_NAMES
 
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"model shape: a bundled name (llama-3-8b, qwen2-0.5b), a config.json file or a "
@@ -118,7 +121,7 @@ def build_vllm_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
 
 def sim_env(args: argparse.Namespace) -> dict[str, str]:
     """Environment variables this server sets (the EngineCore inherits them)."""
-    from kvfabric.sim.executor import LATENCY_ENV, LATENCY_SCALE_ENV
+    from kvfabric.sim.executor import LATENCY_ENV, LATENCY_SCALE_ENV  # (imports vLLM: not for --help)
 
     env = {
         "HF_HUB_OFFLINE": "1",  # the model is a local config.json
@@ -145,8 +148,6 @@ def _with_word_tokenizer(model_dir: str) -> str:
     import tempfile
 
     import transformers
-
-    from kvfabric.sim.tokenizer import write_word_tokenizer
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     # transformers warns about a "Mistral regex" for any local tokenizer whose config.json names no
@@ -223,8 +224,6 @@ def _has_text_prompt(body: bytes) -> bool:
 
 def _check(args: argparse.Namespace) -> str | None:
     """One line saying what is wrong with the options, or None."""
-    from kvfabric.sim.latency import LATENCY_MODELS
-
     if args.block_size < 1 or args.kv_blocks < 2:
         return "--block-size must be >= 1 and --kv-blocks >= 2"
     if (args.kv_blocks - 1) * args.block_size < args.max_model_len:  # vLLM's null block holds nothing
@@ -265,7 +264,6 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         raise UsageError(problem)
     check_address(args.host, args.port)
-    from kvfabric.sim.harness import resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(args.model)
@@ -281,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     # Fork: the EngineCore inherits the simulated platform and the wrapped Scheduler class, and starts twice as
     # fast as with spawn (docs/design.md §8).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    from kvfabric.sim import platform
+    from kvfabric.sim import platform  # (imports vLLM and torch: only when the server starts)
 
     platform.install()
     from vllm.entrypoints.cli.main import main as vllm_main

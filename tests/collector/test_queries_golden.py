@@ -6,29 +6,17 @@ Expected numbers are the arithmetic of the workload's docstring, so a wrong defi
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 
-import httpx
 import pytest
-from support.collector_testkit import HASH_STORY, NS, T0, collector_files, send_golden, wait_until
+from support.collector_testkit import HASH_STORY, NS, T0
 
 from kvfabric.collector import run_named_query
 from kvfabric.queries import BadParameter, NotFound, QueryRunner, UnknownRun
 
 
 @pytest.fixture(scope="module")
-def db() -> Iterator[str]:
-    with collector_files() as files:
-        with files.process():
-            total = send_golden(files.socket_path)
-            wait_until(lambda: sum(r["events"] for r in httpx.get(files.http_url + "/api/v1/runs").json()) == total,
-                       what="golden committed")
-        yield files.db_path
-
-
-@pytest.fixture(scope="module")
-def q(db: str) -> QueryRunner:
-    return QueryRunner.for_path(db)
+def q(golden_db: str) -> QueryRunner:  # (golden_db: tests/conftest.py)
+    return QueryRunner.for_path(golden_db)
 
 
 def test_runs(q: QueryRunner) -> None:
@@ -149,7 +137,8 @@ def test_rebuilt_exact_recomputes_from_raw_events(q: QueryRunner) -> None:
     assert [(r["family"], r["rebuilt_blocks"]) for r in q.rebuilt_exact("runB")] == [("famX", 1)]
 
 
-def test_unknown_runs_and_the_cli_entry_point(db: str, q: QueryRunner) -> None:
+def test_unknown_runs_and_the_cli_entry_point(golden_db: str, q: QueryRunner) -> None:
+    db = golden_db
     for call in (lambda: q.run_summary("nope"), lambda: q.families("nope"), lambda: q.compare("runA", "nope")):
         with pytest.raises(UnknownRun, match="unknown run 'nope'"):
             call()

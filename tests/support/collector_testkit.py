@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -266,6 +267,18 @@ def send_golden(socket_path: str) -> int:
         send_stream(socket_path, g.meta, g.batches())
         total += len(g.rows)
     return total
+
+
+@contextmanager
+def golden_database() -> Iterator[str]:
+    """The path of a collector database of the golden workload (runA: engines e0, e1; runB: e0), written by a real
+    collector and committed; the collector has stopped, so the file can be opened read-only. Removed afterwards."""
+    with collector_files() as files:
+        with files.process():
+            total = send_golden(files.socket_path)
+            wait_until(lambda: sum(r["events"] for r in httpx.get(files.http_url + "/api/v1/runs").json()) == total,
+                       what="golden committed")
+        yield files.db_path
 
 
 def bulk_batches(run_id: str, engine: str, n_batches: int, rows: int, *, first_seq: int = 0) -> list[pa.RecordBatch]:

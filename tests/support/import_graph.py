@@ -30,16 +30,24 @@ def module_name(root: Path, path: Path) -> str:
 
 def arrows_of(source: str, text: str, is_package: bool) -> list[Arrow]:
     """Every import in ``text`` (the module ``source``), resolved to absolute names. ``from X import y`` yields
-    ``X.y`` (it may name a submodule) and the caller maps it to the longest known module."""
+    ``X.y`` (it may name a submodule) and the caller maps it to the longest known module. A call
+    ``importlib.import_module("a.b")`` (or ``import_module("a.b")``) with a string literal is an import of ``a.b``
+    too, at module level when the call is not inside a function or class."""
     tree = ast.parse(text)
     top = {id(node) for node in tree.body}
     # (``if TYPE_CHECKING:`` and ``try:`` blocks at module level run at import: count them as module level)
     for node in tree.body:
         if isinstance(node, (ast.If, ast.Try)):
             top.update(id(n) for n in ast.walk(node))
+    # (a call runs at import when it sits in a module-level statement other than a def or a class)
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            top.update(id(n) for n in ast.walk(node) if isinstance(n, ast.Call))
     out: list[Arrow] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and _imported_by_name(node) is not None:
+            out.append(Arrow(source, _imported_by_name(node) or "", id(node) in top, node.lineno))
+        elif isinstance(node, ast.Import):
             for alias in node.names:
                 out.append(Arrow(source, alias.name, id(node) in top, node.lineno))
         elif isinstance(node, ast.ImportFrom):
@@ -52,6 +60,18 @@ def arrows_of(source: str, text: str, is_package: bool) -> list[Arrow]:
             for alias in node.names:
                 out.append(Arrow(source, f"{module}.{alias.name}", id(node) in top, node.lineno))
     return out
+
+
+def _imported_by_name(call: ast.Call) -> str | None:
+    """The module a call ``importlib.import_module("a.b")`` / ``import_module("a.b")`` names, else None (a name
+    computed at run time cannot be read)."""
+    func = call.func
+    named = (isinstance(func, ast.Attribute) and func.attr == "import_module"
+             and isinstance(func.value, ast.Name) and func.value.id == "importlib") or \
+            (isinstance(func, ast.Name) and func.id == "import_module")
+    if named and call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str):
+        return call.args[0].value
+    return None
 
 
 def package_graph(root: Path, package: str) -> tuple[set[str], list[Arrow]]:
