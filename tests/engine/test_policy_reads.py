@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_steering import LIVE_POLICIES, admit, make_manager, make_request
+from support.pools import LIVE_POLICIES, admit, make_manager, make_request
 
 from kvfabric.lifecycle.side_table import INDEX_COLUMNS, SideTable
 from kvfabric.policies import make_policy

@@ -14,10 +14,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm.sampling_params import SamplingParams
+from support.pools import BLOCK, LIVE_POLICIES, admit, make_manager, make_request
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
@@ -35,45 +35,13 @@ from kvfabric.policies.base import EvictionPolicy
 from kvfabric.policies.native_index import NativeIndex
 
 pytestmark = pytest.mark.vllm
-BLOCK = 16
 REORDERING = tuple(p for p in POLICY_NAMES if p != "lru")
 
 
-def make_manager(num_blocks: int, policy: str, anchor: int | None = 0, *,
-                 native: bool = True) -> tuple[KVCacheManager, Installation, Steering | None]:
-    init_none_hash(sha256)
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                                                          dtype=torch.float32))
-        ],
-    )
-    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True,
-                             hash_block_size=BLOCK)
-    env = {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_EVICTION_POLICY": policy,
-           "KVFABRIC_NATIVE": "1" if native else "0"}
-    if anchor is not None:
-        env["KVFABRIC_ADMISSION_ANCHOR_BLOCKS"] = str(anchor)
-    hook_settings = load_hook_settings(env)
-    inst = build_hook(manager, hook_settings, block_size=BLOCK, engine="test", outlet="local")
-    assert inst is not None
-    assert (inst.steering is not None) == hook_settings.steers
-    return manager, inst, inst.steering
 
 
-def make_request(rid: str, tokens: list[int], extra: dict[str, Any] | None = None) -> Request:
-    params = SamplingParams(max_tokens=4, extra_args=extra)
-    params.update_from_generation_config({}, eos_token_id=100)
-    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=params, pooling_params=None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
-def admit(manager: KVCacheManager, req: Request) -> list[int] | None:
-    computed, num_computed = manager.get_computed_blocks(req, req.num_tokens - 1)[:2]
-    blocks = manager.allocate_slots(req, req.num_tokens - num_computed, num_computed, computed)
-    return None if blocks is None else blocks.get_block_ids()[0]
 
 
 def free_list(pool: Any) -> list[Any]:
@@ -500,7 +468,6 @@ def test_session_hints_steer_adaptive_aging() -> None:
                if b.block_hash is not None and steering.index.held[b.block_id])
 
 
-LIVE_POLICIES = [p for p in POLICY_NAMES if p != "lru"]  # lru attaches nothing, so it keeps no statistics
 
 
 def pressured_run(policy: str, prepare: Any = None) -> tuple[Installation, Steering]:

@@ -20,12 +20,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.collector_testkit import collector_files, wait_until
-from vllm.sampling_params import SamplingParams
+from support.pools import traffic
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.request import Request
 
 from kvfabric.contract import schema as S
 from kvfabric.contract.ring import W_ACCOUNTED, W_READ, W_SENT, Ring
@@ -89,20 +88,6 @@ def make_manager(num_blocks: int, sock: str, run_id: str, outlet: Any = None,
     inst = build_hook(manager, settings_, block_size=BLOCK, engine="test", outlet=outlet)
     assert inst is not None
     return manager, inst
-
-
-def traffic(manager: KVCacheManager, inst: Installation, n: int, start: int = 0) -> None:
-    """Requests of three families with private tails; the pool is small, so they evict and rebuild."""
-    for i in range(start, start + n):
-        tokens = [1 + i % 3] * 48 + [100 + i] * (20 + i % 40)
-        params = SamplingParams(max_tokens=2)
-        params.update_from_generation_config({}, eos_token_id=100_000)
-        req = Request(request_id=f"q{i}", prompt_token_ids=tokens, sampling_params=params, pooling_params=None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256))
-        computed, hit = manager.get_computed_blocks(req, req.num_tokens - 1)[:2]
-        assert manager.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
-        manager.free(req)
-        inst.flush()  # once per request here; once per step inside vLLM
 
 
 def stored_rows(db: str, run_id: str) -> list[dict[str, Any]]:

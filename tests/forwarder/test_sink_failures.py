@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from support.collector_testkit import collector_files, metric, scrape, wait_until
-from test_sinks import META, StreamServer, dropped_row, row
+from support.sink_testkit import META, StreamServer, dropped_row, row
 
 from kvfabric.contract import schema as S
 from kvfabric.forwarder.buffer import EventBuffer
@@ -264,30 +264,14 @@ def make_hook(sink: str, run_id: str) -> tuple[Any, Any]:
     return manager, inst
 
 
-def traffic(manager: Any, inst: Any, n: int, start: int = 0) -> None:
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request
-
-    for i in range(start, start + n):
-        tokens = [1 + i % 3] * 48 + [100 + i] * (20 + i % 40)
-        params = SamplingParams(max_tokens=2)
-        params.update_from_generation_config({}, eos_token_id=100_000)
-        req = Request(request_id=f"q{i}", prompt_token_ids=tokens, sampling_params=params, pooling_params=None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256))
-        computed, hit = manager.get_computed_blocks(req, req.num_tokens - 1)[:2]
-        assert manager.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
-        manager.free(req)
-        inst.flush()
-
-
 def forwarder_lines(err: str) -> list[str]:
     return [x for x in err.splitlines() if "kvfabric" in x]
 
 
 def test_through_the_forwarder_an_unwritable_jsonl_path_logs_once_and_the_file_gets_the_count(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from support.pools import traffic  # vLLM and torch: only the tests that drive the real manager
+
     blocker, path = blocked_path(tmp_path)
     manager, inst = make_hook(f"jsonl://{path}", "jsonl-fail")
     outlet = inst.outlet.remote
@@ -316,6 +300,8 @@ def test_through_the_forwarder_an_unwritable_jsonl_path_logs_once_and_the_file_g
 
 def test_through_the_forwarder_a_dead_collector_logs_once_and_metrics_get_the_count(
         capfd: pytest.CaptureFixture[str]) -> None:
+    from support.pools import traffic  # vLLM and torch: only the tests that drive the real manager
+
     with collector_files() as files:
         manager, inst = make_hook(f"unix://{files.socket_path}", "dead-collector")
         outlet = inst.outlet.remote
