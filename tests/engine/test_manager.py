@@ -10,12 +10,11 @@ from collections import Counter
 from typing import Any
 
 import pytest
-import torch
+from support.pools import BLOCK, bare_manager
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.request import Request
 
 from kvfabric.contract import schema as S
@@ -23,21 +22,10 @@ from kvfabric.engine.config import load_hook_settings
 from kvfabric.engine.install import Installation, build_hook
 
 pytestmark = pytest.mark.vllm
-BLOCK = 16
 
 
 def make_manager(num_blocks: int, hooked: bool, native: bool = True) -> tuple[KVCacheManager, Installation | None]:
-    init_none_hash(sha256)
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                                                          dtype=torch.float32))
-        ],
-    )
-    manager = KVCacheManager(config, max_model_len=8192, scheduler_block_size=BLOCK, enable_caching=True,
-                             hash_block_size=BLOCK)
+    manager = bare_manager(num_blocks, max_model_len=8192)
     inst = None
     if hooked:
         settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_RUN_ID": "t",

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.pools import BLOCK, LIVE_POLICIES, admit, make_manager, make_request
+from support.pools import BLOCK, LIVE_POLICIES, admit, bare_manager, make_manager, make_request
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, init_none_hash
@@ -235,12 +235,7 @@ def test_lru_attaches_nothing_and_changes_nothing() -> None:
     assert type(manager.block_pool.free_block_queue) is FreeKVCacheBlockQueue
     assert inst.recorder.gate is None and inst.recorder.keeper is None
     plain, _, _ = make_manager(12, "lru", anchor=None)
-    init_none_hash(sha256)
-    plain = KVCacheManager(
-        KVCacheConfig(num_blocks=12, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                                                          dtype=torch.float32))]),
-        max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True, hash_block_size=BLOCK)
+    plain = bare_manager(12)
     for m in (manager, plain):
         got = []
         for i in range(8):

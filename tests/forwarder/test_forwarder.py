@@ -16,24 +16,17 @@ from typing import Any
 import duckdb
 import httpx
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.collector_testkit import collector_files, wait_until
-from support.pools import traffic
-from vllm.utils.hashing import sha256
+from support.pools import BLOCK, bare_manager, traffic
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from kvfabric.contract import schema as S
 from kvfabric.contract.ring import W_ACCOUNTED, W_READ, W_SENT, Ring
 from kvfabric.engine.config import load_hook_settings
 from kvfabric.engine.handover import LocalOutlet, RingOutlet, TeeOutlet
 from kvfabric.engine.install import Installation, build_hook
-
-BLOCK = 16
-
 
 # ------------------------------------------------------------------------------------------------------ the ring
 
@@ -76,12 +69,7 @@ def test_ring_is_a_bounded_fifo_that_never_overwrites(ops: list[int], capacity: 
 
 def make_manager(num_blocks: int, sock: str, run_id: str, outlet: Any = None,
                  batch_events: int = 64, flush_ms: int = 20) -> tuple[KVCacheManager, Installation]:
-    init_none_hash(sha256)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
-    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True,
-                             hash_block_size=BLOCK)
+    manager = bare_manager(num_blocks)
     settings_ = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": f"unix://{sock}",
                                     "KVFABRIC_RUN_ID": run_id, "KVFABRIC_BATCH_EVENTS": str(batch_events),
                                     "KVFABRIC_FLUSH_MS": str(flush_ms)})
@@ -217,12 +205,7 @@ def test_a_full_ring_counts_its_loss_and_reports_it() -> None:
 
 
 def test_local_outlet_keeps_rows_until_drained() -> None:
-    init_none_hash(sha256)
-    config = KVCacheConfig(num_blocks=20, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
-    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True,
-                             hash_block_size=BLOCK)
+    manager = bare_manager(20)
     inst = build_hook(manager, load_hook_settings({"KVFABRIC_LIFECYCLE": "1"}), block_size=BLOCK, outlet="local")
     assert inst is not None and isinstance(inst.outlet, LocalOutlet)
     traffic(manager, inst, 3)

@@ -235,27 +235,16 @@ def test_a_dead_collector_logs_once_and_delivers_with_the_count_when_back(tmp_pa
 
 pytest.importorskip("vllm")
 
-BLOCK = 16
-
 
 def make_hook(sink: str, run_id: str) -> tuple[Any, Any]:
     """vLLM's real KVCacheManager with the hook streaming through the real forwarder (and a local expansion, to
     know what was made). A small event bound, so that a destination that is away makes the ring overflow."""
-    import torch
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from support.pools import BLOCK, bare_manager  # vLLM and torch: only the tests that drive the real manager
 
     from kvfabric.engine.config import load_hook_settings
     from kvfabric.engine.install import build_hook
 
-    init_none_hash(sha256)
-    config = KVCacheConfig(num_blocks=14, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
-    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True,
-                             hash_block_size=BLOCK)
+    manager = bare_manager(14)
     settings = load_hook_settings({"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": sink, "KVFABRIC_RUN_ID": run_id,
                                    "KVFABRIC_BATCH_EVENTS": "64", "KVFABRIC_FLUSH_MS": "20",
                                    "KVFABRIC_BUFFER_EVENTS": "100"})

@@ -22,14 +22,14 @@ from kvfabric.engine.install import Installation, build_hook
 from kvfabric.engine.steering.victims import Steering
 from kvfabric.policies import POLICY_NAMES
 
-__all__ = ["BLOCK", "LIVE_POLICIES", "admit", "make_manager", "make_request", "traffic"]
+__all__ = ["BLOCK", "LIVE_POLICIES", "admit", "bare_manager", "make_manager", "make_request", "traffic"]
 
 BLOCK = 16
 LIVE_POLICIES = [p for p in POLICY_NAMES if p != "lru"]  # lru attaches nothing, so it keeps no statistics
 
 
-def make_manager(num_blocks: int, policy: str, anchor: int | None = 0, *,
-                 native: bool = True) -> tuple[KVCacheManager, Installation, Steering | None]:
+def bare_manager(num_blocks: int, max_model_len: int = 4096) -> KVCacheManager:
+    """vLLM's real KV-cache manager over ``num_blocks`` blocks of :data:`BLOCK` tokens, prefix caching on, no hook."""
     init_none_hash(sha256)
     config = KVCacheConfig(
         num_blocks=num_blocks,
@@ -39,8 +39,13 @@ def make_manager(num_blocks: int, policy: str, anchor: int | None = 0, *,
                                                           dtype=torch.float32))
         ],
     )
-    manager = KVCacheManager(config, max_model_len=4096, scheduler_block_size=BLOCK, enable_caching=True,
-                             hash_block_size=BLOCK)
+    return KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=BLOCK, enable_caching=True,
+                          hash_block_size=BLOCK)
+
+
+def make_manager(num_blocks: int, policy: str, anchor: int | None = 0, *,
+                 native: bool = True) -> tuple[KVCacheManager, Installation, Steering | None]:
+    manager = bare_manager(num_blocks)
     env = {"KVFABRIC_LIFECYCLE": "1", "KVFABRIC_SINK": "none", "KVFABRIC_EVICTION_POLICY": policy,
            "KVFABRIC_NATIVE": "1" if native else "0"}
     if anchor is not None:
