@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfabric.bench.table_rows import gap_closed, pick, trace_name
+from kvfabric.bench.table_rows import MissingRows, gap_closed, need, pick, resolve, trace_key, trace_name
 from kvfabric.learn.fit import learn
 from kvfabric.learn.source import from_trace
 from kvfabric.policies.reuse_model import DEFAULT_FEATURES
@@ -32,9 +32,8 @@ MODELS_DIR = "benchmarks/results/policy_models"
 HALF_BLOCK_SIZE = 512
 
 
-
 def _rows(path: str) -> int:
-    with open(path) as fh:
+    with open(resolve(path)) as fh:
         return sum(1 for line in fh if line.strip())
 
 
@@ -57,7 +56,7 @@ def model_tasks(traces: Sequence[str], block_size: int, models_dir: str) -> list
 def train(task: dict[str, Any]) -> dict[str, Any]:
     """One model (a worker process): the learner's own code, default features and capacities."""
     t0 = time.perf_counter()
-    traffic = from_trace(task["trace"], task["block_size"], task["skip"], task["limit"])
+    traffic = from_trace(resolve(task["trace"]), task["block_size"], task["skip"], task["limit"])
     model = learn(traffic, DEFAULT_FEATURES, (0.05, 0.2))
     limit = f" --limit {task['limit']}" if task["limit"] is not None else ""
     model.training["command"] = (f"kvfabric learn --trace {task['trace']} --block-size {task['block_size']}"
@@ -121,32 +120,30 @@ def real_tasks(traces: Sequence[str], fractions: Sequence[float], block_size: in
 # --------------------------------------------------------------------------------------------- rendering
 
 
-
-
 def held_out_points(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every held-out (split, trace, part, capacity) with LRU, adaptive_aging, learned and the optimum (%)."""
+    """Every held-out (split, trace, part, capacity) with LRU, adaptive_aging, learned and the optimum (%).
+    Raises :class:`MissingRows` when a held-out replay lacks the LRU, adaptive_aging or optimum row beside it."""
     points = []
     sweep = data.get("sweep", [])
     for r in data.get("learned_eval", []):
         if r["policy"] != "learned":
             continue
         if r["split"] == "trace":
-            # Matched by the trace's file name: results files written from another checkout hold other paths.
-            base = {p: next((s for s in sweep if trace_name(s["trace"]) == trace_name(r["trace"])
-                             and s["fraction"] == r["fraction"] and s["policy"] == p and s.get("anchor") == 0), None)
-                    for p in ("lru", "adaptive_aging", "optimal")}
+            # Matched by the trace's file name (need's trace key): results written from another checkout, or by
+            # another section, hold other paths.
+            base = {p: need(sweep, "sweep (beside a held-out replay)", trace=r["trace"], fraction=r["fraction"],
+                            policy=p, anchor=0) for p in ("lru", "adaptive_aging", "optimal")}
         else:
-            base = {p: pick(data["learned_eval"], split="half", trace=r["trace"], part=r["part"],
-                             fraction=r["fraction"], policy=p) for p in ("lru", "adaptive_aging", "optimal")}
-        if any(v is None for v in base.values()):
-            continue
+            base = {p: need(data["learned_eval"], "learned_eval (beside a held-out replay)", split="half",
+                            trace=r["trace"], part=r["part"], fraction=r["fraction"], policy=p)
+                    for p in ("lru", "adaptive_aging", "optimal")}
         pt = {"split": r["split"], "trace": trace_name(r["trace"]), "part": r.get("part"), "fraction": r["fraction"],
               "num_blocks": r["num_blocks"], "trained_on": trace_name(r["trained_on"]) if r["split"] == "trace"
               else r["trained_on"], "learned": r["prefix_hit_rate"] * 100,
               "trust": (r.get("policy_state") or {}).get("guard_trust"),
               "learned_wasted": r["wasted_prefill_tokens"]}
         for p, v in base.items():
-            pt[p] = v["prefix_hit_rate"] * 100  # type: ignore[index]
+            pt[p] = v["prefix_hit_rate"] * 100
         pt["gap"] = pt["optimal"] - pt["lru"]
         pt["closed_learned"] = gap_closed(pt["learned"], pt["lru"], pt["optimal"])
         pt["closed_aa"] = gap_closed(pt["adaptive_aging"], pt["lru"], pt["optimal"])
@@ -158,11 +155,18 @@ def _pct(c: float | None) -> str:
     return "-" if c is None else f"{c:.0%}"
 
 
-def render(data: dict[str, Any], w: Callable[[str], None], plots_dir: Path) -> None:
+def render(data: dict[str, Any], w: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The learned policy's section; none when the results hold no ``learned`` section (it was not run). When they
+    do, every table in it must have rows (:class:`MissingRows` otherwise). Returns the held-out points for
+    :func:`plot` (empty when there is no section)."""
     models = data.get("learned_models", [])
+    if not data.get("learned_eval") and not models:
+        return []
     points = held_out_points(data)
     if not points:
-        return
+        raise MissingRows("learned_eval holds no replay of the learned policy: its tables would be empty")
+    if not models:
+        raise MissingRows("learned_models is empty while learned_eval has rows: the models table would be empty")
     w("### The learned policy on traffic it was not trained on")
     w("")
     w("`learned` (docs/design.md §6): adaptive_aging's structure, with the blocks it favours chosen by a reuse model")
@@ -229,7 +233,7 @@ def render(data: dict[str, Any], w: Callable[[str], None], plots_dir: Path) -> N
         w("| replayed | trained on | capacity | blocks | lru real | learned real | learned fast | optimal real | "
           "gap closed | replay wall s |")
         w("|---|---|---|---|---|---|---|---|---|---|")
-        for r in sorted(real, key=lambda r: (r["trace"], r["fraction"])):
+        for r in sorted(real, key=lambda r: (trace_key(r["trace"]), r["fraction"])):
             fast = pick(points, split="trace", trace=trace_name(r["trace"]), fraction=r["fraction"])
             lru = pick(data.get("full_real", []), trace=r["trace"], fraction=r["fraction"], policy="lru")
             opt = pick(data.get("full_real", []), trace=r["trace"], fraction=r["fraction"], policy="optimal")
@@ -245,10 +249,13 @@ def render(data: dict[str, Any], w: Callable[[str], None], plots_dir: Path) -> N
         w("")
     w("![gap closed on held-out traffic: learned vs adaptive_aging](policy-learned-gap.png)")
     w("")
-    _plot(points, plots_dir)
+    return points
 
 
-def _plot(points: list[dict[str, Any]], plots_dir: Path) -> None:
+def plot(points: list[dict[str, Any]], plots_dir: Path) -> None:
+    """``policy-learned-gap.png``: the share of the gap closed at each held-out point."""
+    if not points:
+        raise MissingRows("policy-learned-gap.png: no held-out point to plot")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -16,7 +16,9 @@ One command (``python -m kvfabric.bench.policy_table``) runs:
 7. ``learnedreal``: the across-traces models through vLLM's real scheduler at ``--real-full-fractions``.
 
 Raw results go to ``benchmarks/results/policy_sweep.json`` (``--reuse`` re-renders from it without rerunning;
-``--sections`` reruns only some parts). Runtime on 2 cores: about 20 minutes for the sweep, 2 for the
+``--sections`` reruns only some parts). Rows name traces by their path relative to the repository root and are
+matched by file name; rendering fails (exit 1, nothing written) when a table would lack rows or a plot data.
+Runtime on 2 cores: about 20 minutes for the sweep, 2 for the
 agreement runs, 20 for the whole traces through the real scheduler (3 minutes and 6 GB each), about 30 for the
 learned policy's models and held-out replays, 10 for those through the real scheduler.
 """
@@ -36,12 +38,22 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.bench import learned_table
-from kvfabric.bench.table_rows import gap_closed, pick, trace_name
+from kvfabric.bench.table_rows import (
+    MissingRows,
+    gap_closed,
+    need,
+    repo_relative,
+    resolve,
+    trace_key,
+    trace_name,
+)
 from kvfabric.policies.base import PolicySettings
 from kvfabric.sim.offline import load_trace, simulate, unique_blocks
 from kvfabric.sim.replay import replay_real
 
-# Relative to the repository root (run from there): the traces sit beside the checkout, too big to carry in it.
+# Relative to the repository root: the traces sit beside the checkout, too big to carry in it. Results rows record
+# trace paths relative to the repository root (:func:`~kvfabric.bench.table_rows.repo_relative`) and are matched
+# by the trace's file name, so a results file renders the same from any checkout.
 DEFAULT_TRACES = (
     "../shared/traces/mooncake_conversation_first_half.jsonl",
     "../shared/traces/mooncake_synthetic_trace.jsonl",
@@ -53,7 +65,7 @@ OURS = "adaptive_aging"
 
 @functools.lru_cache(maxsize=4)
 def _whole(path: str) -> Any:
-    return load_trace(path)
+    return load_trace(resolve(path))
 
 
 def _trace(path: str, limit: int | None, skip: int = 0) -> Any:
@@ -81,7 +93,7 @@ def _fast(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def _real(task: dict[str, Any]) -> dict[str, Any]:
-    out = replay_real(task["trace"], task["policy"], task["num_blocks"], limit=task["limit"],
+    out = replay_real(resolve(task["trace"]), task["policy"], task["num_blocks"], limit=task["limit"],
                       block_size=task["block_size"], progress=False, policy_model=task.get("model"))
     out.update(task)
     return out
@@ -119,7 +131,9 @@ def run_all(traces: Sequence[str], fractions: Sequence[float], block_size: int, 
             real_limit: int, real_full_fractions: Sequence[float], sections: Sequence[str] = SECTIONS,
             previous: dict[str, Any] | None = None,
             models_dir: str = learned_table.MODELS_DIR) -> dict[str, Any]:
-    """Run the requested sections; sections not run are taken from ``previous`` (a loaded results file)."""
+    """Run the requested sections; sections not run are taken from ``previous`` (a loaded results file).
+    Rows and metadata name each trace by its path relative to the repository root."""
+    traces = [repo_relative(tr) for tr in traces]
     sweep_tasks = []
     meta: dict[str, Any] = {"traces": {}}
     for tr in traces:
@@ -207,10 +221,29 @@ def run_all(traces: Sequence[str], fractions: Sequence[float], block_size: int, 
 # --------------------------------------------------------------------------------------------- rendering
 
 
-
+def _check(data: dict[str, Any]) -> None:
+    """What every rendering needs: traces with distinct names, capacities, and rows in the sections every page
+    shows (the sweep, the agreement runs, the robustness runs). Raises :class:`MissingRows`."""
+    meta = data.get("meta") or {}
+    traces = list(meta.get("traces") or {})
+    if not traces:
+        raise MissingRows("meta.traces is empty: no trace to render")
+    keys = [trace_key(tr) for tr in traces]
+    if len(set(keys)) != len(keys):
+        raise MissingRows(f"meta.traces holds two traces of the same name ({traces}): rows could not be told apart")
+    if not meta.get("fractions"):
+        raise MissingRows("meta.fractions is empty: no capacity to render")
+    for section in ("sweep", "agree_real", "agree_fast", "robust"):
+        if not data.get(section):
+            raise MissingRows(f"section {section!r} has no rows: its table would be empty")
 
 
 def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
+    """Write the generated part of ``out_md`` and the plots in ``plots_dir`` from a results file's ``data``.
+
+    Raises :class:`~kvfabric.bench.table_rows.MissingRows` (before writing anything) when a table would lack a
+    row it should have or a plot would have no data."""
+    _check(data)
     meta = data["meta"]
     sweep = data["sweep"]
     lines: list[str] = []
@@ -248,10 +281,8 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
           f"{OURS} |")
         w("|---|---|" + "---|" * (len(POLICIES) + 2))
         for f in meta["fractions"]:
-            row = {p: pick(sweep, trace=tr, fraction=f, policy=p, anchor=0) for p in POLICIES}
-            if any(v is None for v in row.values()):
-                continue
-            rates = {p: row[p]["prefix_hit_rate"] * 100 for p in POLICIES}  # type: ignore[index]
+            row = {p: need(sweep, "sweep", trace=tr, fraction=f, policy=p, anchor=0) for p in POLICIES}
+            rates = {p: row[p]["prefix_hit_rate"] * 100 for p in POLICIES}
             gap = rates["optimal"] - rates["lru"]
             closed = gap_closed(rates[OURS], rates["lru"], rates["optimal"])
             cells = []
@@ -260,7 +291,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
                 if p not in ("lru", "optimal") and rates[p] < rates["lru"] - 0.005:
                     mark = " ↓"
                 cells.append(f"{rates[p]:.2f}{mark}")
-            w(f"| {f:.0%} | {row['lru']['num_blocks']:,} | " + " | ".join(cells)  # type: ignore[index]
+            w(f"| {f:.0%} | {row['lru']['num_blocks']:,} | " + " | ".join(cells)
               + f" | {gap:.2f} | {'-' if closed is None else f'{closed:.0%}'} |")
         w("")
         w("↓ = below LRU. Gap closed by each policy:")
@@ -268,13 +299,8 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         w("| capacity | " + " | ".join(p for p in POLICIES if p not in ("lru", "optimal")) + " |")
         w("|---|" + "---|" * (len(POLICIES) - 2))
         for f in meta["fractions"]:
-            rates = {}
-            for p in POLICIES:
-                r = pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
-                if r is not None:
-                    rates[p] = r["prefix_hit_rate"]
-            if len(rates) < len(POLICIES):
-                continue
+            rates = {p: need(sweep, "sweep", trace=tr, fraction=f, policy=p, anchor=0)["prefix_hit_rate"]
+                     for p in POLICIES}
             cells = []
             for p in POLICIES:
                 if p in ("lru", "optimal"):
@@ -288,10 +314,9 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         w("| capacity | " + " | ".join(POLICIES) + " |")
         w("|---|" + "---|" * len(POLICIES))
         for f in meta["fractions"]:
-            cells = []
-            for p in POLICIES:
-                r = pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
-                cells.append("-" if r is None else f"{r['wasted_prefill_tokens'] / 1e6:.2f}")
+            wasted = [need(sweep, "sweep", trace=tr, fraction=f, policy=p, anchor=0)["wasted_prefill_tokens"]
+                      for p in POLICIES]
+            cells = [f"{v / 1e6:.2f}" for v in wasted]
             w(f"| {f:.0%} | " + " | ".join(cells) + " |")
         w("")
         w(f"![hit rate vs capacity, {name}](policy-hit-rate-{name}.png)")
@@ -303,15 +328,15 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         for f in meta["fractions"]:
             vals = []
             for p, a in (("lru", 0), ("lru", 24), (OURS, 0), (OURS, 24)):
-                r = pick(sweep, trace=tr, fraction=f, policy=p, anchor=a)
-                vals.append("-" if r is None else f"{r['prefix_hit_rate'] * 100:.2f}")
+                r = need(sweep, "sweep (admission gate)", trace=tr, fraction=f, policy=p, anchor=a)
+                vals.append(f"{r['prefix_hit_rate'] * 100:.2f}")
             w(f"| {f:.0%} | " + " | ".join(vals) + " |")
         w("")
     w("### Gap closed, both traces")
     w("")
     w("![share of the LRU-to-optimum gap closed](policy-gap-closed.png)")
     w("")
-    learned_table.render(data, w, plots_dir)
+    learned_points = learned_table.render(data, w)
     if data.get("full_real"):
         w("### Whole traces through vLLM's real scheduler")
         w("")
@@ -321,8 +346,12 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         w("| trace | capacity | blocks | policy | hit rate real | hit rate fast | wasted prefill real (M tokens) | "
           "wasted fast | replay wall s |")
         w("|---|---|---|---|---|---|---|---|---|")
-        for r in sorted(data["full_real"], key=lambda r: (r["trace"], r["fraction"], POLICIES.index(r["policy"]))):
-            fst = pick(sweep, trace=r["trace"], fraction=r["fraction"], policy=r["policy"], anchor=0)
+        for r in sorted(data["full_real"], key=lambda r: (trace_key(r["trace"]), r["fraction"],
+                                                          POLICIES.index(r["policy"]))):
+            # Fast mode's figure for the same capacity (none when the sweep did not run that capacity).
+            fst = (need(sweep, "sweep (beside the real scheduler's whole traces)", trace=r["trace"],
+                        fraction=r["fraction"], policy=r["policy"], anchor=0)
+                   if r["fraction"] in meta["fractions"] else None)
             fast_rate = "-" if fst is None else f"{fst['prefix_hit_rate'] * 100:.2f}"
             fast_waste = "-" if fst is None else f"{fst['wasted_prefill_tokens'] / 1e6:.2f}"
             w(f"| {trace_name(r['trace'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | {r['policy']} | "
@@ -339,9 +368,8 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("| trace | capacity | blocks | policy | hit rate real | hit rate fast | rebuilt real | rebuilt fast |")
     w("|---|---|---|---|---|---|---|---|")
     for r in data["agree_real"]:
-        fst = pick(data["agree_fast"], trace=r["trace"], fraction=r["fraction"], policy=r["policy"])
-        if fst is None:
-            continue
+        fst = need(data["agree_fast"], "agree_fast (beside agree_real)", trace=r["trace"], fraction=r["fraction"],
+                   policy=r["policy"])
         w(f"| {trace_name(r['trace'])} | {r['fraction']:.0%} | {r['num_blocks']:,} | {r['policy']} | "
           f"{r['prefix_hit_rate'] * 100:.3f} | {fst['prefix_hit_rate'] * 100:.3f} | "
           f"{r['rebuilt_from_eviction_blocks']:,} | {fst['rebuilt_from_eviction_blocks']:,} |")
@@ -356,18 +384,18 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("|---|---|---|---|---|---|")
     for tr in meta["traces"]:
         for f in meta["fractions"]:
-            rs = {p: pick(data["robust"], trace=tr, fraction=f, policy=p) for p in ("lru", OURS, "optimal")}
-            if any(v is None for v in rs.values()):
-                continue
-            lru, ours, opt = (rs[p]["prefix_hit_rate"] * 100 for p in ("lru", OURS, "optimal"))  # type: ignore[index]
+            rs = {p: need(data["robust"], "robust", trace=tr, fraction=f, policy=p) for p in ("lru", OURS, "optimal")}
+            lru, ours, opt = (rs[p]["prefix_hit_rate"] * 100 for p in ("lru", OURS, "optimal"))
             c = gap_closed(ours, lru, opt)
             mark = " ↓" if ours < lru - 0.005 else ""
             w(f"| {trace_name(tr)} | {f:.0%} | {lru:.2f} | {ours:.2f}{mark} | {opt:.2f} | "
               f"{'-' if c is None else f'{c:.0%}'} |")
     w("")
     text = "\n".join(lines) + "\n"
-    out_md.write_text(_splice(out_md, text))
     _plots(data, plots_dir)
+    if learned_points:
+        learned_table.plot(learned_points, plots_dir)
+    out_md.write_text(_splice(out_md, text))
     return text
 
 
@@ -402,15 +430,13 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
         name = trace_name(tr)
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for p in POLICIES:
-            xs, ys = [], []
-            for f in meta["fractions"]:
-                r = pick(sweep, trace=tr, fraction=f, policy=p, anchor=0)
-                if r is not None:
-                    xs.append(f * 100)
-                    ys.append(r["prefix_hit_rate"] * 100)
+            xs = [f * 100 for f in meta["fractions"]]
+            ys = [need(sweep, f"sweep (plot of {name})", trace=tr, fraction=f, policy=p, anchor=0)["prefix_hit_rate"]
+                  * 100 for f in meta["fractions"]]
             color, marker = styles[p]
             ax.plot(xs, ys, marker=marker or None, color=color, linestyle="--" if p == "optimal" else "-", label=p)
-        held = sorted((r for r in data.get("learned_eval", []) if r.get("split") == "trace" and r["trace"] == tr),
+        held = sorted((r for r in data.get("learned_eval", []) if r.get("split") == "trace"
+                       and r.get("policy") == "learned" and trace_key(r["trace"]) == trace_key(tr)),
                       key=lambda r: r["fraction"])
         if held:
             ax.plot([r["fraction"] * 100 for r in held], [r["prefix_hit_rate"] * 100 for r in held], marker="v",
@@ -437,11 +463,9 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
         for i, p in enumerate(policies):
             vals = []
             for f in fr:
-                rs = {q: pick(sweep, trace=tr, fraction=f, policy=q, anchor=0) for q in ("lru", p, "optimal")}
-                c = None
-                if all(v is not None for v in rs.values()):
-                    c = gap_closed(rs[p]["prefix_hit_rate"], rs["lru"]["prefix_hit_rate"],  # type: ignore[index]
-                                    rs["optimal"]["prefix_hit_rate"])  # type: ignore[index]
+                rs = {q: need(sweep, "sweep (gap-closed plot)", trace=tr, fraction=f, policy=q, anchor=0)
+                      for q in ("lru", p, "optimal")}
+                c = gap_closed(rs[p]["prefix_hit_rate"], rs["lru"]["prefix_hit_rate"], rs["optimal"]["prefix_hit_rate"])
                 vals.append(0.0 if c is None else max(-1.0, c) * 100)
             ax.bar([j + i * width for j in range(len(fr))], vals, width, color=styles[p][0], label=p)
         ax.axhline(0, color="k", linewidth=0.8)
@@ -461,7 +485,8 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--traces", nargs="+", default=list(DEFAULT_TRACES))
+    parser.add_argument("--traces", nargs="+", default=[resolve(tr) for tr in DEFAULT_TRACES],
+                        help="trace files (default: ../shared/traces/, beside the checkout)")
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--jobs", type=int, default=2)
@@ -490,7 +515,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_path.parent.mkdir(parents=True, exist_ok=True)
         data_path.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
     Path(args.plots).mkdir(parents=True, exist_ok=True)
-    text = render(data, Path(args.out), Path(args.plots))
+    try:
+        text = render(data, Path(args.out), Path(args.plots))
+    except MissingRows as exc:
+        print(f"error: {args.data}: {exc}; nothing written", file=sys.stderr)
+        return 1
     print(text)
     return 0
 
