@@ -15,6 +15,7 @@ text already states it) and keeps descriptions and epilogs as written.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import re
 from collections.abc import Callable
@@ -123,6 +124,7 @@ def duckdb_setting(name: str, *, empty_ok: bool = True) -> Callable[[str], str]:
             return text
         if not _SIZE.fullmatch(text):
             raise argparse.ArgumentTypeError(f"must be a size such as 256MB, 1.5GB or 2GiB, got {text!r}")
+        # duckdb: only to read a size; argtypes loads for every `kvfabric --help`
         import duckdb
 
         con = duckdb.connect()
@@ -174,8 +176,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def _copy_with_help(action: argparse.Action, text: str) -> argparse.Action:
-    import copy
-
     clone = copy.copy(action)
     clone.help = text
     return clone

@@ -26,6 +26,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import duckdb
+from tqdm import tqdm
+
 from kvfabric.argtypes import int_range, port
 from kvfabric.collector import CollectorConfig, CollectorProcess
 from kvfabric.collector.export import export_parquet
@@ -149,7 +152,6 @@ def _env(**values: str) -> Iterator[None]:
 def run_workload(sock: str, run_id: str, policy: str, items: list[Any], blocks: int) -> dict[str, Any]:
     """Run ``items`` (the demo workload) through vLLM's real scheduler on a pool of ``blocks`` blocks, with the
     plugin streaming to ``sock``."""
-    from tqdm import tqdm
 
     with _env(KVFABRIC_LIFECYCLE="1", KVFABRIC_SINK=f"unix://{sock}", KVFABRIC_RUN_ID=run_id,
               KVFABRIC_EVICTION_POLICY=policy, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
@@ -239,7 +241,6 @@ def print_report(summary: dict[str, Any], families: list[dict[str, Any]], policy
 
 def export_and_count(db: str, out: str, run_id: str) -> dict[str, int]:
     """Export to hive-partitioned Parquet and count the run's events back with DuckDB."""
-    import duckdb
 
     if os.path.isdir(out):
         shutil.rmtree(out)

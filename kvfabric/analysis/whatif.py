@@ -163,6 +163,7 @@ def _rate(hit: int, prompt: int) -> float:
 
 def _bar(total: int) -> Any:
     try:
+        # tqdm: only when a bar is drawn, and optional (a missing one costs the bar only)
         from tqdm import tqdm
     except ImportError:  # a progress bar is never worth failing for
         return None

@@ -10,6 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 
 import kvfabric
@@ -35,9 +38,6 @@ DOCS_ASSETS_URL = "/static/swagger-ui"
 
 def _install_docs(app: FastAPI) -> None:
     """``/docs``: Swagger UI loaded from the package, so it works offline (FastAPI's default loads it from a CDN)."""
-    from fastapi.openapi.docs import get_swagger_ui_html
-    from fastapi.responses import HTMLResponse
-    from fastapi.staticfiles import StaticFiles
 
     assets = Path(__file__).with_name("static") / "swagger-ui"
     app.mount(DOCS_ASSETS_URL, StaticFiles(directory=assets), name="swagger-ui")

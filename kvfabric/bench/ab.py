@@ -24,10 +24,11 @@ import json
 import os
 import platform
 import shutil
+import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -123,8 +122,6 @@ def _arm_order(policies: list[str], repeat: int) -> list[tuple[int, str]]:
 
 
 def _validate(args: argparse.Namespace) -> tuple[list[Scenario], list[str]]:
-    from dataclasses import replace
-
     if not args.scenario:
         raise ScenarioError("--scenario is required")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

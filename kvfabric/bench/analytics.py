@@ -69,6 +69,7 @@ def read_events(db_path: str, run_ids: list[str]) -> dict[str, dict[str, Any]]:
     * ``lookups``: ``[request_id, prompt_tokens, hit_tokens]`` for every ``prefix_lookup`` (an admission; a
       preempted request is admitted, and counted, again).
     """
+    # duckdb: only when a run is read, not for `kvfabric ab --help`
     import duckdb
 
     out: dict[str, dict[str, Any]] = {}

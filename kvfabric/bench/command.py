@@ -14,7 +14,9 @@ import argparse
 import asyncio
 import json
 import os
+import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +114,6 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
 def override(scenario: Scenario, *, seed: int | None = None, concurrency: int | None = None,
              rate: float | None = None, prompt_format: str | None = None, hints: bool | None = None) -> Scenario:
     """A copy of ``scenario`` with the given settings replaced (None keeps the scenario's)."""
-    from dataclasses import replace
 
     traffic = tuple(
         replace(t, concurrency=concurrency or t.concurrency, rate=rate if rate is not None else t.rate)
@@ -129,6 +130,7 @@ def override(scenario: Scenario, *, seed: int | None = None, concurrency: int | 
 
 async def wait_ready(endpoint: str, wait_s: float) -> str:
     """Poll ``/v1/models`` until it answers (at most ``wait_s``); return the first model id."""
+    # httpx: only when a server is polled, not for `kvfabric bench --help`
     import httpx
 
     from kvfabric.bench.client import discover_model  # (httpx: not for `kvfabric bench --help`)
@@ -188,8 +190,6 @@ async def _main(args: argparse.Namespace, scenario: Scenario) -> dict[str, Any]:
 
 
 def _wrapped(text: str, indent: str = " " * 21, width: int = 100) -> str:
-    import textwrap
-
     return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent,
                          break_on_hyphens=False) + "\n"
 

@@ -22,7 +22,9 @@ Modes (parameters and defaults in each ``*Params`` class; ranges are inclusive `
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import random
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -136,8 +138,6 @@ class ForkSession:
         return self.trunk.planned_requests + sum(b.planned_requests for b in self.branches)
 
     async def run(self, ctx: SessionContext) -> None:
-        import asyncio
-
         history: list[Prompt] = []
 
         async def keep(prompt: Prompt) -> None:
@@ -235,7 +235,6 @@ def _kind(annotation: str) -> str:
 
 def describe(params: type[_Params]) -> str:
     """``name=default`` for every parameter of a mode (JSON values, as ``--param`` takes them)."""
-    import json
 
     return " ".join(
         f"{f.name}={json.dumps(list(f.default) if isinstance(f.default, tuple) else f.default, separators=(',', ':'))}"

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from tqdm import tqdm
+
 from kvfabric.bench.client import CompletionClient, RequestRecord
 from kvfabric.bench.modes import Session, make_sessions
 from kvfabric.bench.prompts import Prompt, PromptFormat, Reply
@@ -259,7 +261,6 @@ async def run_scenario(
     desc: str = "requests",
 ) -> BenchResult:
     """Run every traffic component side by side until its bounds (see the module docstring)."""
-    from tqdm import tqdm
 
     total = None if duration_s is not None else count_planned_requests(scenario, max_requests)
     bar = tqdm(total=total, unit="req", desc=desc, disable=not progress, dynamic_ncols=True, leave=True)

@@ -38,7 +38,7 @@ Bad files raise :class:`ScenarioError` with one line saying what is wrong.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -97,8 +97,6 @@ class Scenario:
     source: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
 
 

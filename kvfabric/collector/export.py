@@ -18,6 +18,8 @@ import argparse
 import glob
 import os
 
+import duckdb
+
 from kvfabric.argtypes import positive_int
 from kvfabric.collector.mooncake import run_mooncake_export
 from kvfabric.queries import DatabaseUnavailable, UnknownRun, connect_read_only
@@ -96,8 +98,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import duckdb
-
     if args.format == "mooncake":
         if args.by_date:
             raise UsageError("--by-date goes with --format parquet (a mooncake trace is one file, not partitioned)")

@@ -15,6 +15,8 @@ import json
 import time
 from typing import Any
 
+import httpx
+
 from kvfabric import settings as settings_table
 from kvfabric.argtypes import positive_float
 from kvfabric.usage import UsageError
@@ -38,7 +40,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def fetch(url: str, token: str | None, timeout: float) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """(the collector's /healthz body or None, its engines). Raises :class:`UsageError` for anything the user can
     fix: nothing listening, a wrong token, a server that is not a collector of this version."""
-    import httpx
 
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url {url!r} is not an HTTP address (e.g. {DEFAULT_URL})")

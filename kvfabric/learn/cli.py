@@ -55,6 +55,7 @@ def _progress_factory(enabled: bool) -> Any:
     if not enabled:
         return None
     try:
+        # tqdm: only when a bar is drawn, and optional (a missing one costs the bar only)
         from tqdm import tqdm
     except ImportError:  # tqdm is a dependency; a progress bar is never worth failing for
         return None

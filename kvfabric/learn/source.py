@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import duckdb
+
 from kvfabric.contract import schema as S
 from kvfabric.sim.offline import TRACE_BLOCK_TOKENS, block_keys, load_trace
 
@@ -67,7 +69,6 @@ def from_db(path: str, run: str) -> Traffic:
     depths ``0, 1, ...`` below its prompt's full blocks, up to the first depth with neither (a block the admission
     gate kept out of the cache); requests are ordered by their first ``prefix_lookup``.
     """
-    import duckdb
 
     if not os.path.isfile(path):
         raise ValueError(f"no database file {path!r}")

@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
@@ -118,8 +119,6 @@ class SimulatedExecutor(Executor):
 
     def _layer_specs(self) -> dict[str, KVCacheSpec]:
         """One full-attention KV spec per decoder layer, from the model's ``config.json``."""
-        import torch
-
         hf = self.model_config.hf_text_config
         layers = int(getattr(hf, "num_hidden_layers", 1) or 1)
         heads = int(getattr(hf, "num_attention_heads", 1) or 1)

@@ -134,6 +134,7 @@ def build_scheduler(
     ``Scheduler.__init__`` sees this construction exactly as in a real engine.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local config.json; never reach for the Hub
+    # vLLM, torch: only when a scheduler is built (this module loads for several commands' --help)
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.plugins import load_general_plugins
@@ -203,6 +204,7 @@ def make_request(
     lands in ``SamplingParams.extra_args`` (where a real server puts ``vllm_xargs``).
     """
     global _none_hash_ready
+    # vLLM: only when a request is built
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -502,6 +504,7 @@ class SimulatedEngine:
 
     def step(self) -> StepResult:
         """One engine step: admit arrivals, schedule, fabricate the model output, update, advance the clock."""
+        # vLLM: only when the engine steps
         from vllm.v1.outputs import ModelRunnerOutput
 
         scheduler = self.scheduler

@@ -25,6 +25,7 @@ class SimulatedPlatform(UnspecifiedPlatform):
 
 def install() -> SimulatedPlatform:
     """Make :class:`SimulatedPlatform` vLLM's ``current_platform`` (before any engine is configured)."""
+    # vLLM: only when the platform is installed
     from vllm import platforms
 
     current = platforms._current_platform  # resolving it here would probe the machine for nothing

@@ -210,6 +210,7 @@ def replay_real(
     bar = None
     if progress:
         try:
+            # tqdm: only when a bar is drawn, and optional (a missing one costs the bar only)
             from tqdm import tqdm
 
             bar = tqdm(total=len(requests), desc=f"replay {policy}@{num_blocks}", unit="req", file=sys.stderr,
@@ -305,6 +306,7 @@ def replay_fast(
     ticks = None
     if progress:
         try:
+            # tqdm: only when a bar is drawn, and optional (a missing one costs the bar only)
             from tqdm import tqdm
 
             bar = tqdm(total=len(rows), desc=f"fast {policy}@{num_blocks}", unit="req", file=sys.stderr, leave=False)

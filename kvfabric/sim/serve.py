@@ -18,10 +18,14 @@ bad options (an address in use among them); otherwise vLLM's own.
 from __future__ import annotations
 
 import argparse
+import atexit
+import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -142,11 +146,8 @@ def sim_env(args: argparse.Namespace) -> dict[str, str]:
 def _with_word_tokenizer(model_dir: str) -> str:
     """A private copy of ``model_dir``'s config.json with the built-in tokenizer beside it (never writes to the
     user's directory); removed at exit."""
-    import atexit
-    import json
-    import shutil
-    import tempfile
 
+    # transformers: ~1.6 s to import, only when the server starts
     import transformers
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -196,8 +197,6 @@ class TokenIdsOnly:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Any) -> None:
-        import json
-
         body = json.dumps({"error": {"message": self.MESSAGE, "type": "BadRequestError", "param": "prompt",
                                      "code": 400}}).encode()
         await send({"type": "http.response.start", "status": 400,
@@ -213,7 +212,6 @@ class _NoChatWarmupWarning(logging.Filter):
 def _has_text_prompt(body: bytes) -> bool:
     """Whether a /v1/completions body asks for a text prompt (a string or a list of strings); anything unreadable
     is left to vLLM."""
-    import json
 
     try:
         prompt = json.loads(body).get("prompt")
@@ -282,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfabric.sim import platform  # (imports vLLM and torch: only when the server starts)
 
     platform.install()
+    # vLLM: only when the server starts, not for `kvfabric sim-serve --help`
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = build_vllm_argv(args, model_dir)

@@ -70,6 +70,7 @@ def write_word_tokenizer(directory: str | Path, vocab_size: int | None = None) -
 
     ``vocab_size`` (default: ``config.json``'s in ``directory``, else just the word range) sets how many ids exist.
     """
+    # tokenizers: only when a tokenizer is written, not for `kvfabric bench --help`
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     out = Path(directory)

@@ -154,6 +154,7 @@ def unique_cold_workload(
 @lru_cache(maxsize=8192)
 def _hash_id_tokens(seed: int, hash_id: int, block_tokens: int) -> tuple[int, ...]:
     """The ``block_tokens`` token ids standing for one trace hash id: a pure function of (seed, id)."""
+    # numpy: only for trace hash ids, not for `kvfabric bench --help`
     import numpy as np
 
     gen = np.random.default_rng([seed, hash_id])
