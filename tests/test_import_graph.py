@@ -69,8 +69,9 @@ def test_every_unit_is_placed_in_a_layer(graph: tuple[set[str], list[Arrow]]) ->
 
 
 def test_imports_inside_functions_say_why() -> None:
-    # Module-level imports are the rule, in every unit; one made inside a function says why (a fast `--help`,
-    # vLLM or matplotlib loaded only where they are used, a cycle avoided) on its line or the line above its run.
+    # Module-level imports are the rule, in every unit and for every package (kvfabric's, vLLM, the standard
+    # library); one made inside a function says why (a fast `--help`, vLLM or matplotlib loaded only where they
+    # are used, a cycle avoided) on its line or the line above its run.
     assert unexplained_function_imports(ROOT, PACKAGE) == []
 
 
@@ -174,3 +175,19 @@ def test_the_checker_wants_a_reason_for_a_function_import_in_every_unit(tmp_path
     assert unexplained_function_imports(tmp_path, PACKAGE) == []
     (tmp_path / f"kvfabric/{unit}/m.py").write_text(body.replace("    from", "    # (why)\n    from", 1))
     assert unexplained_function_imports(tmp_path, PACKAGE) == []
+
+
+@pytest.mark.parametrize("statement", [
+    "import json", "from vllm.config import VllmConfig", "import matplotlib.pyplot as plt", "from tqdm import tqdm",
+])
+def test_the_checker_wants_a_reason_for_a_function_import_of_an_outside_package(tmp_path: Path, statement: str) -> None:
+    body = f"def f():\n    {statement}\n    return 1\n"
+    _tree(tmp_path, {"kvfabric/__init__.py": "", "kvfabric/bench/__init__.py": "", "kvfabric/bench/m.py": body})
+    assert [line.split(":")[0] for line in unexplained_function_imports(tmp_path, PACKAGE)] == ["kvfabric.bench.m"]
+    (tmp_path / "kvfabric/bench/m.py").write_text(body.replace(f"    {statement}", f"    # (why)\n    {statement}"))
+    assert unexplained_function_imports(tmp_path, PACKAGE) == []
+    # (at module level, in a module-level ``if TYPE_CHECKING:``, or in one inside a function: not function level)
+    for text in (f"{statement}\n", f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    {statement}\n",
+                 f"import typing\n\ndef f():\n    if typing.TYPE_CHECKING:\n        {statement}\n"):
+        (tmp_path / "kvfabric/bench/m.py").write_text(text)
+        assert unexplained_function_imports(tmp_path, PACKAGE) == []

@@ -256,10 +256,10 @@ def plot(points: list[dict[str, Any]], plots_dir: Path) -> None:
     """``policy-learned-gap.png``: the share of the gap closed at each held-out point."""
     if not points:
         raise MissingRows("policy-learned-gap.png: no held-out point to plot")
-    import matplotlib
+    import matplotlib  # matplotlib: only for plots (the Agg backend is set before pyplot loads)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only for plots, after the backend is chosen
 
     groups: dict[str, list[dict[str, Any]]] = {}
     for p in points:

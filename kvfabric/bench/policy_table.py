@@ -102,6 +102,7 @@ def _real(task: dict[str, Any]) -> dict[str, Any]:
 def _run(fn: Any, tasks: list[dict[str, Any]], jobs: int, label: str) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     try:
+        # tqdm: only when a bar is drawn, and optional (a missing one costs the bar only)
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         tqdm = None  # type: ignore[assignment]
@@ -416,9 +417,10 @@ def _splice(path: Path, generated: str) -> str:
 
 
 def _plots(data: dict[str, Any], plots_dir: Path) -> None:
-    import matplotlib
+    import matplotlib  # matplotlib: only for plots (the Agg backend is set before pyplot loads)
 
     matplotlib.use("Agg")
+    # matplotlib: only for plots, after the backend is chosen
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 

@@ -39,6 +39,10 @@ def arrows_of(source: str, text: str, is_package: bool) -> list[Arrow]:
     for node in tree.body:
         if isinstance(node, (ast.If, ast.Try)):
             top.update(id(n) for n in ast.walk(node))
+    # (an ``if TYPE_CHECKING:`` block never runs, wherever it sits: never a function-level import)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            top.update(id(n) for n in ast.walk(node))
     # (a call runs at import when it sits in a module-level statement other than a def or a class)
     for node in tree.body:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -60,6 +64,11 @@ def arrows_of(source: str, text: str, is_package: bool) -> list[Arrow]:
             for alias in node.names:
                 out.append(Arrow(source, f"{module}.{alias.name}", id(node) in top, node.lineno))
     return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _imported_by_name(call: ast.Call) -> str | None:
@@ -174,14 +183,15 @@ def violations(arrows: Iterable[Arrow], package: str, layers: Mapping[str, int],
 
 
 def unexplained_function_imports(root: Path, package: str) -> list[str]:
-    """Imports of ``package`` made inside a function with no comment on the line above or on the line itself
-    (module-level imports are the rule; a function-level one says why)."""
+    """Imports made inside a function (of ``package``'s modules or of any other: vLLM, the standard library) with
+    no comment on the line above their run or on the line itself (module-level imports are the rule; a
+    function-level one says why). ``if TYPE_CHECKING:`` blocks are not function level."""
     out = []
     for path in sorted((root / package).rglob("*.py")):
         lines = path.read_text(encoding="utf-8").split("\n")
         name = module_name(root, path)
         for a in arrows_of(name, "\n".join(lines), path.name == "__init__.py"):
-            if a.module_level or not a.target.startswith(package + "."):
+            if a.module_level:
                 continue
             at = a.line - 1  # (a comment above a run of imports explains the run)
             while at > 0 and lines[at - 1].strip().startswith(("import ", "from ")):
