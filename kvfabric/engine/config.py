@@ -35,7 +35,6 @@ class HookSettings:
     regret_window_s: float = 60.0
     cache_aware_scheduling: bool = False
     family_from_request_id: bool = False  # KVFABRIC_FAMILY_FROM_REQUEST_ID: "<family>/<rest>" request ids (opt-in)
-    admission_gate_explicit: bool = False  # KVFABRIC_ADMISSION_ANCHOR_BLOCKS was set (> 0)
     policy_model: str = ""  # KVFABRIC_POLICY_MODEL: the learned policy's model file ("" = the built-in default)
     native: bool = True  # KVFABRIC_NATIVE=0: the Python code even where the compiled parts are built
     engine_id: str = ""  # KVFABRIC_ENGINE_ID ("" = <host>/dp<rank>)
@@ -46,7 +45,7 @@ class HookSettings:
         """The gate runs only when ``KVFABRIC_ADMISSION_ANCHOR_BLOCKS`` is set (> 0): off by default, because on the
         synthetic trace at 30-50 % capacity a gate of 24 costs 2.3-9.3 points of hit rate (families of 2-5
         requests lose their only reuse)."""
-        return self.admission_anchor_blocks > 0 and self.admission_gate_explicit
+        return self.admission_anchor_blocks > 0
 
     @property
     def steers(self) -> bool:
@@ -124,14 +123,12 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
     if policy_model is None:
         policy = "lru"
         policy_model = ""
-    anchor_blocks = int(get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS"))  # type: ignore[call-overload]
     return HookSettings(
         lifecycle=lifecycle,
         sink=sink,
         policy=policy,
         protect_min_hit_count=get("KVFABRIC_PROTECT_MIN_HIT_COUNT"),  # type: ignore[arg-type]
-        admission_anchor_blocks=anchor_blocks,
-        admission_gate_explicit=anchor_blocks > 0,
+        admission_anchor_blocks=get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS"),  # type: ignore[arg-type]
         family_depth=get("KVFABRIC_FAMILY_DEPTH"),  # type: ignore[arg-type]
         run_id=get("KVFABRIC_RUN_ID"),  # type: ignore[arg-type]
         engine_id=get("KVFABRIC_ENGINE_ID"),  # type: ignore[arg-type]

@@ -162,7 +162,6 @@ def replay_real(
         sink=f"unix://{collector}" if collector else "none",
         policy="lru" if policy == "optimal" else policy,
         admission_anchor_blocks=admission_anchor_blocks,
-        admission_gate_explicit=admission_anchor_blocks > 0,
         cache_aware_scheduling=cache_aware_scheduling,
         run_id=run,
         policy_model=policy_model or "",
