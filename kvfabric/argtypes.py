@@ -29,6 +29,7 @@ __all__ = [
     "int_range",
     "nonneg_float",
     "nonneg_int",
+    "number_text",
     "port",
     "positive_float",
     "positive_int",
@@ -81,16 +82,19 @@ def float_range(low: float | None = None, high: float | None = None, *, low_open
     return parse
 
 
-def _bounds(low: float | None, high: float | None, low_open: bool = False) -> str:
-    def num(x: float) -> str:
-        return str(x) if isinstance(x, int) else f"{x:g}"
+def number_text(value: float) -> str:
+    """A bound or value as messages print it: whole numbers without a decimal point or exponent (``1000000``, not
+    ``1e+06``), others as Python writes them."""
+    return str(int(value)) if float(value).is_integer() else str(value)
 
+
+def _bounds(low: float | None, high: float | None, low_open: bool = False) -> str:
     if low is not None and high is not None:
-        return f"{'>' if low_open else '>='} {num(low)} and <= {num(high)}"
+        return f"{'>' if low_open else '>='} {number_text(low)} and <= {number_text(high)}"
     if low is not None:
-        return f"{'>' if low_open else '>='} {num(low)}"
+        return f"{'>' if low_open else '>='} {number_text(low)}"
     assert high is not None
-    return f"<= {num(high)}"
+    return f"<= {number_text(high)}"
 
 
 positive_int = int_range(1)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvfabric.argtypes import number_text
 from kvfabric.contract import protocol as P
 
 log = logging.getLogger("kvfabric.settings")
@@ -80,9 +81,9 @@ class Setting:
         if self.kind in ("int", "float"):
             what = "an integer" if self.kind == "int" else "a number"
             if self.minimum is not None and self.maximum is not None:
-                return f"{what} from {_number(self.minimum)} to {_number(self.maximum)}"
+                return f"{what} from {number_text(self.minimum)} to {number_text(self.maximum)}"
             if self.minimum is not None:
-                return f"{what} >= {_number(self.minimum)}"
+                return f"{what} >= {number_text(self.minimum)}"
             return what
         if self.kind == "choice":
             assert self.choices is not None
@@ -146,21 +147,17 @@ class Setting:
 
     def _in_range(self, number: float) -> float:
         if self.minimum is not None and number < self.minimum:
-            raise BadValue(f"is below {_number(self.minimum)}")
+            raise BadValue(f"is below {number_text(self.minimum)}")
         if self.maximum is not None and number > self.maximum:
-            raise BadValue(f"is above {_number(self.maximum)}")
+            raise BadValue(f"is above {number_text(self.maximum)}")
         return number
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def _plain(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, float):
-        return _number(value)
+        return number_text(value)
     return str(value)
 
 
