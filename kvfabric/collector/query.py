@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from kvfabric.argtypes import int_range, positive_float
+from kvfabric.collector.columns import aligned
 from kvfabric.queries import (
     MAX_LIMIT,
     QUERY_NAMES,
@@ -192,11 +193,7 @@ def _print_table(result: Any) -> None:
             print(_cell(v))
         return
     cols = list(result[0])
-    cells = [[_cell(r.get(c)) for c in cols] for r in result]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    print("\n".join(aligned(cols, [[_cell(r.get(c)) for c in cols] for r in result])))
 
 
 def run(args: argparse.Namespace) -> int:

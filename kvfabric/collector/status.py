@@ -19,9 +19,11 @@ import httpx
 
 from kvfabric import settings as settings_table
 from kvfabric.argtypes import positive_float
+from kvfabric.collector.columns import aligned
+from kvfabric.ingest import defaults as D
 from kvfabric.usage import UsageError
 
-DEFAULT_URL = "http://127.0.0.1:8321"
+DEFAULT_URL = f"http://{D.HTTP_HOST}:{D.HTTP_PORT}"
 TOKEN_ENV = "KVFABRIC_API_TOKEN"
 
 _COLUMNS = (("ENGINE", "engine"), ("STATE", "state"), ("HOST", "host"), ("VLLM", "vllm_version"),
@@ -106,11 +108,7 @@ def render(url: str, health: dict[str, Any] | None, engines: list[dict[str, Any]
                      "same user)? vLLM's log has a line 'KVFabric ... recording on' when the plugin is on.")
         return "\n".join(lines)
     now = time.time()
-    rows = [[_cell(e, key, now) for _, key in _COLUMNS] for e in engines]
-    widths = [max(len(title), *(len(r[i]) for r in rows)) for i, (title, _) in enumerate(_COLUMNS)]
-    lines.append("  ".join(t.ljust(w) for (t, _), w in zip(_COLUMNS, widths, strict=True)).rstrip())
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    lines += aligned([title for title, _ in _COLUMNS], [[_cell(e, key, now) for _, key in _COLUMNS] for e in engines])
     return "\n".join(lines)
 
 
