@@ -22,6 +22,7 @@ from support.collector_testkit import (
     send_stream,
     wait_until,
 )
+from support.sink_testkit import dropped_row, row
 
 from kvfabric.collector import export_parquet, run_named_query
 from kvfabric.queries import DatabaseUnavailable
@@ -139,30 +140,14 @@ def test_the_hooks_own_unix_sink_streams_into_the_collector() -> None:
     from kvfabric.forwarder.buffer import EventBuffer
     from kvfabric.forwarder.sinks import UnixArrowSink
 
-    def row(i: int) -> tuple:
-        values: list[object] = [None] * len(S.EMIT_COLUMNS)
-        values[S.EMIT_COLUMNS.index("ts_ns")] = 1_000 + i
-        values[S.EMIT_COLUMNS.index("event")] = S.BLOCK_ALLOCATED
-        values[S.EMIT_COLUMNS.index("engine")] = "eng"
-        values[S.EMIT_COLUMNS.index("run_id")] = "run-hook"
-        values[S.EMIT_COLUMNS.index("block_id")] = i
-        return tuple(values)
-
-    def dropped(n: int) -> tuple:
-        values: list[object] = [None] * len(S.EMIT_COLUMNS)
-        values[S.EMIT_COLUMNS.index("ts_ns")] = 1
-        values[S.EMIT_COLUMNS.index("event")] = S.SINK_DROPPED
-        values[S.EMIT_COLUMNS.index("count")] = n
-        return tuple(values)
-
     with collector_files() as files:
         with files.process():
             m = {k: v for k, v in meta("ignored", "run-hook", "eng").items() if k != S.META_STREAM_ID}
             buffer = EventBuffer(capacity=10_000, wake_at=100)
-            sink = UnixArrowSink(files.socket_path, buffer, m, dropped, batch_events=100, flush_ms=20)
+            sink = UnixArrowSink(files.socket_path, buffer, m, dropped_row, batch_events=100, flush_ms=20)
             sink.start()
             for i in range(1000):
-                buffer.append(row(i))
+                buffer.append(row(i, engine="eng", run_id="run-hook"))
             sink.close()
             assert sink.lost_events == 0
             wait_until(lambda: httpx.get(files.http_url + "/api/v1/runs").json(), what="stream committed")

@@ -18,10 +18,13 @@ from kvfabric.contract import schema as S
 __all__ = ["META", "StreamServer", "dropped_row", "row", "wait_for"]
 
 
-def row(i: int, event: str = S.BLOCK_ALLOCATED) -> tuple:
+def row(i: int, event: str = S.BLOCK_ALLOCATED, *, engine: str | None = None, run_id: str | None = None) -> tuple:
+    """Event ``i`` as the forwarder emits it: block ``i`` at ``1000 + i`` ns (engine and run only where given)."""
     values: list[object] = [None] * len(S.EMIT_COLUMNS)
     values[S.EMIT_COLUMNS.index("ts_ns")] = 1_000 + i
     values[S.EMIT_COLUMNS.index("event")] = event
+    values[S.EMIT_COLUMNS.index("engine")] = engine
+    values[S.EMIT_COLUMNS.index("run_id")] = run_id
     values[S.EMIT_COLUMNS.index("block_id")] = i
     return tuple(values)
 
