@@ -25,6 +25,8 @@ __all__ = [
     "HelpFormatter",
     "OneLineErrorParser",
     "duckdb_setting",
+    "duration",
+    "duration_text",
     "float_range",
     "int_range",
     "nonneg_float",
@@ -113,6 +115,32 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535 (0: any free one), got {text!r}")
     return value
+
+
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*")
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def duration(text: str) -> float:
+    """A duration in seconds: ``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w``; ``0`` or ``off`` for none."""
+    if text.strip().lower() in ("off", "none", "forever"):
+        return 0.0
+    m = _DURATION.fullmatch(text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"must be a duration such as 90s, 15m, 12h, 7d or 2w (0 or off: none), "
+                                         f"got {text!r}")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
+def duration_text(seconds: float) -> str:
+    """The shortest exact form :func:`duration` reads back (``0`` when none)."""
+    if seconds <= 0:
+        return "0"
+    for unit in ("w", "d", "h", "m"):
+        size = _DURATION_UNITS[unit]
+        if seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
 
 
 _SIZE = re.compile(r"\s*[0-9]+(\.[0-9]+)?\s*[A-Za-z]*\s*")

@@ -33,7 +33,9 @@ from kvfabric.argtypes import int_range, port
 from kvfabric.collector import CollectorConfig, CollectorProcess
 from kvfabric.collector.export import export_parquet
 from kvfabric.ingest import defaults as D
+from kvfabric.lake import LakeLocation
 from kvfabric.policies import POLICY_NAMES
+from kvfabric.queries.sources import lake_from_args
 from kvfabric.sim.harness import SimulatedEngine
 from kvfabric.sim.workload import DEMO_NUM_BLOCKS, demo_workload
 from kvfabric.usage import UsageError
@@ -44,6 +46,10 @@ MAX_NUM_BLOCKS = 262_144
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file to write (default: ./kvfabric.duckdb)")
+    parser.add_argument("--lake", default=None, metavar="CATALOG",
+                        help="write the run to this DuckLake lake instead of --db (as `kvfabric collector --lake` "
+                        "takes it; needs --data)")
+    parser.add_argument("--data", default=None, metavar="PATH", help="the lake's data path (folder or s3://...)")
     parser.add_argument("--policy", default="lru", choices=POLICY_NAMES, help="eviction policy (default: lru)")
     parser.add_argument("--serve", action="store_true",
                         help="keep the collector that ingested the run serving its REST API, /docs and /metrics "
@@ -239,12 +245,12 @@ def print_report(summary: dict[str, Any], families: list[dict[str, Any]], policy
                  f"{f['evicted_blocks']:>8,} {f['rebuilt_blocks']:>8,} {f['wasted_prefill_tokens']:>11,}")
 
 
-def export_and_count(db: str, out: str, run_id: str) -> dict[str, int]:
+def export_and_count(db: str, out: str, run_id: str, lake: LakeLocation | None = None) -> dict[str, int]:
     """Export to hive-partitioned Parquet and count the run's events back with DuckDB."""
 
     if os.path.isdir(out):
         shutil.rmtree(out)
-    export_parquet(db, out)
+    export_parquet(db, out, run=run_id if lake is not None else None, lake=lake)
     con = duckdb.connect()
     try:
         rows = con.execute(
@@ -306,6 +312,10 @@ def run(args: argparse.Namespace) -> int:
     items = demo_workload(args.seed)
     blocks = DEMO_NUM_BLOCKS if args.num_blocks is None else args.num_blocks
     check_num_blocks(blocks, items)  # before anything starts: a bad value leaves nothing behind
+    lake = lake_from_args(args)  # checked before anything starts
+    if args.serve and lake is not None and lake.catalog_kind != "postgres":
+        raise UsageError("--serve with a lake catalogued in a local file: the serving collector holds the file's "
+                         "lock, so the export could not read it; use a postgres: catalog, or leave out --serve")
     port_number, port_note = choose_port(args.port)
     db = os.path.abspath(args.db)
     run_id = args.run_id or f"demo-{args.policy}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -316,35 +326,43 @@ def run(args: argparse.Namespace) -> int:
     _say("KVFabric demo: vLLM's real scheduler on CPU with a simulated model; the hook streams to a real collector")
     t_start = time.monotonic()
     try:
-        collector = CollectorProcess(CollectorConfig(db_path=db, socket_path=sock, port=port_number),
-                                     log_path=log_path, ready_timeout=60.0)
+        config = CollectorConfig(db_path=db, socket_path=sock, port=port_number, lake=args.lake, data=args.data)
+        collector = CollectorProcess(config, log_path=log_path, ready_timeout=60.0)
         if port_note:
             _say(f"  {port_note}")
-        _say(f"  collector: db {db}, socket {sock}, {collector.http_url}")
+        where = lake.describe() if lake is not None else f"db {db}"
+        _say(f"  collector: {where}, socket {sock}, {collector.http_url}")
         collector.start()
         stats = run_workload(sock, run_id, args.policy, items, blocks)
         stored = wait_ingested(collector.http_url, run_id, stats["rows_sent"])
         _say(f"  events: {stats['events_emitted']:,} emitted, {stats['rows_sent']:,} sent, "
-             f"{stats['events_lost']:,} lost; {stored:,} rows stored in DuckDB")
+             f"{stats['events_lost']:,} lost; {stored:,} rows stored in {'the lake' if lake else 'DuckDB'}")
         summary = get_json(f"{collector.http_url}/api/v1/runs/{run_id}/summary")
         fams = get_json(f"{collector.http_url}/api/v1/families?run={run_id}")
         families = fams["items"] if isinstance(fams, dict) else fams
         print_report(summary, families, args.policy)
-        if args.serve:
+        if lake is not None and lake.catalog_kind == "postgres":
+            source = db  # a catalog in PostgreSQL takes readers beside its writers: the export reads it directly
+        elif args.serve:
             # The collector that ingested keeps serving (its /metrics counters were advanced by this run's ingest):
             # the export reads a copy, since DuckDB lets one process open the file.
             source = snapshot_database(db, workdir)
         else:
             collector.stop()  # DuckDB has one writer: the export reads the file once the collector has flushed it
             source = db
-        counts = export_and_count(source, os.path.abspath(args.parquet), run_id)
+        counts = export_and_count(source, os.path.abspath(args.parquet), run_id, lake)
         _say("")
         _say(f"Parquet: {sum(counts.values()):,} events of this run read back from {os.path.abspath(args.parquet)} "
              f"({len(counts)} event types)")
-        _say(f"Database: {db}")
-        _say(f"  SQL:  python -c \"import duckdb; duckdb.connect('{db}', read_only=True).sql("
-             f"\\\"SELECT event, count(*) FROM events WHERE run_id = '{run_id}' GROUP BY 1\\\").show()\"")
-        _say(f"  CLI:  kvfabric query run_summary --db {db} --run {run_id}")
+        if lake is not None:
+            _say(f"Lake: {lake.describe()}")
+            _say(f"  CLI:  kvfabric query run_summary --lake '{args.lake}' --data '{args.data}' --run {run_id}")
+            _say(f"        kvfabric fleet --lake '{args.lake}' --data '{args.data}'")
+        else:
+            _say(f"Database: {db}")
+            _say(f"  SQL:  python -c \"import duckdb; duckdb.connect('{db}', read_only=True).sql("
+                 f"\\\"SELECT event, count(*) FROM events WHERE run_id = '{run_id}' GROUP BY 1\\\").show()\"")
+            _say(f"  CLI:  kvfabric query run_summary --db {db} --run {run_id}")
         if args.json:
             _say(json.dumps({"summary": summary, "parquet_counts": counts, "stats": stats}, default=str))
         _say(f"Done in {time.monotonic() - t_start:.0f} s.")
@@ -356,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvfabric demo: the collector stopped by itself (exit code {code}); log: {log_path}",
                   file=sys.stderr)
             return 1
-        _say(f"API: run `kvfabric demo --serve` or `kvfabric collector --db {db}` and open "
+        store = f"--lake '{args.lake}' --data '{args.data}'" if lake is not None else f"--db {db}"
+        _say(f"API: run `kvfabric demo --serve` or `kvfabric collector {store}` and open "
              f"http://{D.HTTP_HOST}:{D.HTTP_PORT}/api/v1/runs/{run_id}/summary")
         return 0
     except KeyboardInterrupt:

@@ -26,7 +26,7 @@ PACKAGE = "kvfabric"
 
 LAYERS = {
     "contract": 0, "argtypes": 0, "usage": 0,
-    "lifecycle": 1,
+    "lifecycle": 1, "lake": 1,
     "policies": 2,
     "settings": 3, "queries": 3,
     "engine": 4, "forwarder": 4,

@@ -28,6 +28,7 @@ from kvfabric.analysis.traffic import RecordedAdmission, mean_concurrency, recor
 from kvfabric.argtypes import int_range, positive_int
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.queries import BadParameter, DatabaseUnavailable, QueryRunner, UnknownRun
+from kvfabric.queries.sources import add_source_arguments, runner_from_args, source_label
 from kvfabric.sim.offline import simulate
 from kvfabric.usage import UsageError
 
@@ -186,7 +187,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "hit rate and wasted prefill next to what the run actually had. The replay of the run's own policy and "
         f"capacity is shown too: it should come within {TOLERANCE:.2f} of the actual hit rate."
     )
-    parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file no collector holds (default: %(default)s)")
+    add_source_arguments(parser)
     parser.add_argument("--run", required=True, help="run id")
     parser.add_argument("--policy", default=None, choices=policy_names(),
                         help="policy to replay under (default: the run's own)")
@@ -201,10 +202,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        out = whatif(QueryRunner.for_path(args.db), args.run, args.policy, args.num_blocks, args.concurrency,
+        out = whatif(runner_from_args(args), args.run, args.policy, args.num_blocks, args.concurrency,
                      progress=not args.no_progress and args.format == "text")
     except DatabaseUnavailable as exc:
-        raise UsageError(f"--db: {exc}") from None
+        raise UsageError(f"{source_label(args)}: {exc}") from None
     except (BadParameter, UnknownRun) as exc:
         raise UsageError(str(exc)) from None
     if args.format == "json":

@@ -11,11 +11,22 @@ import socket
 from dataclasses import dataclass, field
 
 from kvfabric import settings
-from kvfabric.argtypes import duckdb_setting, nonneg_float, nonneg_int, port, positive_float, positive_int
+from kvfabric.argtypes import (
+    duckdb_setting,
+    duration,
+    duration_text,
+    nonneg_float,
+    nonneg_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from kvfabric.contract.protocol import default_socket_path
 from kvfabric.ingest import IngestSettings
 from kvfabric.ingest import defaults as D
+from kvfabric.ingest.retention import Retention
 from kvfabric.ingest.server import parse_uids
+from kvfabric.lake import LakeLocation
 
 TOKEN_ENV = "KVFABRIC_API_TOKEN"
 
@@ -52,6 +63,26 @@ class CollectorConfig:
     allow_uids: tuple[str, ...] = ()  # extra uids (numbers or user names) that may stream into the socket
     allow_remote_without_token: bool = False
     max_label_runs: int | None = None  # None: $KVFABRIC_MAX_LABEL_RUNS or 64
+    lake: str | None = None  # a DuckLake catalog: the lake backend instead of db_path (with ``data``)
+    data: str | None = None  # the lake's data path: a folder or s3://bucket/prefix
+    read_only: bool = False  # serve queries on the lake, no socket, no writes
+    retain_s: float = D.RETAIN_S  # 0: keep everything
+    maintenance_interval_s: float = D.MAINTENANCE_INTERVAL_S
+
+    def lake_location(self) -> LakeLocation | None:
+        """The lake, checked (ValueError names the flag at fault); None for the DuckDB file."""
+        if self.lake is None and self.data is None:
+            if self.read_only:
+                raise ValueError("--read-only is for a lake: give --lake CATALOG --data PATH")
+            return None
+        if self.lake is None or self.data is None:
+            raise ValueError("--lake and --data go together: the catalog and where its Parquet files live")
+        return LakeLocation.parse(self.lake, self.data)
+
+    def store_label(self) -> str:
+        """What the logs name as the store."""
+        location = self.lake_location()
+        return location.describe() if location is not None else f"db={self.db_path}"
 
     def resolved_token(self) -> str | None:
         token = self.token if self.token is not None else settings.read(TOKEN_ENV)
@@ -76,6 +107,9 @@ class CollectorConfig:
             checkpoint_threshold=self.checkpoint_threshold,
             memory_limit=self.memory_limit or None,
             allow_uids=parse_uids(self.allow_uids),
+            lake=self.lake_location(),
+            maintenance=Retention(lake=self.lake is not None, retain_s=self.retain_s),
+            maintenance_interval_s=self.maintenance_interval_s,
         )
 
     def to_argv(self) -> list[str]:
@@ -100,6 +134,14 @@ class CollectorConfig:
             argv.append("--allow-remote-without-token")
         if self.max_label_runs is not None:
             argv += ["--max-label-runs", str(self.max_label_runs)]
+        if self.lake is not None:
+            argv += ["--lake", self.lake]
+        if self.data is not None:
+            argv += ["--data", self.data]
+        if self.read_only:
+            argv.append("--read-only")
+        argv += ["--retain", duration_text(self.retain_s),
+                 "--maintenance-interval", duration_text(self.maintenance_interval_s)]
         return argv
 
 
@@ -198,6 +240,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows per DuckDB insert the writer aims for (default: %(default)s)")
     parser.add_argument("--coalesce-ms", type=nonneg_int, default=d.coalesce_ms,
                         help="longest a received batch waits for others to share its insert (default: %(default)s)")
+    parser.add_argument("--lake", default=None, metavar="CATALOG",
+                        help="store in a DuckLake lake instead of --db: 'postgres:dbname=... host=... port=... "
+                        "user=...' (a catalog many collectors share), 'sqlite:FILE' or a DuckDB FILE (one host); "
+                        "needs --data and the lake extra (pip install 'kvfabric[lake]')")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="the lake's Parquet files: a folder or s3://bucket/prefix (endpoint, region and keys from "
+                        "AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, or a DuckDB secret)")
+    parser.add_argument("--read-only", action="store_true",
+                        help="serve REST and /metrics on the lake, ingest nothing (no socket): the one place a "
+                        "team's dashboards and analysts query")
+    parser.add_argument("--retain", dest="retain_s", type=duration, default=duration_text(d.retain_s),
+                        metavar="DURATION",
+                        help="delete events older than this (90s, 15m, 12h, 7d, 2w; 0 or off keeps everything) "
+                        "(default: %(default)s)")
+    parser.add_argument("--maintenance-interval", dest="maintenance_interval_s", type=duration,
+                        default=duration_text(d.maintenance_interval_s), metavar="DURATION",
+                        help="how often retention runs, and on a lake the merging of small files and the removal "
+                        "of files no snapshot needs (default: %(default)s)")
     parser.add_argument("--max-label-runs", type=positive_int, default=None,
                         help="distinct run labels in /metrics before '_other' (default: $KVFABRIC_MAX_LABEL_RUNS, 64)")
 
@@ -207,7 +267,7 @@ def config_from_args(args: argparse.Namespace) -> CollectorConfig:
     if args.max_buffered_bytes < args.max_batch_bytes:
         raise ValueError(f"--max-buffered-bytes ({args.max_buffered_bytes}) must be at least --max-batch-bytes "
                          f"({args.max_batch_bytes}): a message of the largest allowed size could never be received")
-    return CollectorConfig(
+    config = CollectorConfig(
         db_path=args.db_path,
         socket_path=args.socket_path,
         host=args.host,
@@ -231,4 +291,11 @@ def config_from_args(args: argparse.Namespace) -> CollectorConfig:
         allow_uids=tuple(args.allow_uids),
         allow_remote_without_token=args.allow_remote_without_token,
         max_label_runs=args.max_label_runs,
+        lake=args.lake,
+        data=args.data,
+        read_only=args.read_only,
+        retain_s=args.retain_s,
+        maintenance_interval_s=args.maintenance_interval_s or D.MAINTENANCE_INTERVAL_S,
     )
+    config.lake_location()  # --lake / --data / --read-only checked before anything starts
+    return config

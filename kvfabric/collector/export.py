@@ -22,7 +22,9 @@ import duckdb
 
 from kvfabric.argtypes import positive_int
 from kvfabric.collector.mooncake import run_mooncake_export
-from kvfabric.queries import DatabaseUnavailable, UnknownRun, connect_read_only
+from kvfabric.lake import LakeLocation
+from kvfabric.queries import DatabaseUnavailable, UnknownRun
+from kvfabric.queries.sources import add_source_arguments, connector, lake_from_args, source_label
 from kvfabric.usage import UsageError, unwritable
 
 
@@ -31,7 +33,7 @@ def _literal(path: str) -> str:
 
 
 def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = False, run: str | None = None,
-                   engine: str | None = None) -> dict[str, object]:
+                   engine: str | None = None, lake: LakeLocation | None = None) -> dict[str, object]:
     """Write ``events`` (partitioned by run, optionally by UTC date) and ``streams`` under ``out_dir``: every run,
     or only ``run`` and/or only ``engine``'s rows when given.
 
@@ -43,7 +45,8 @@ def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = Fals
     events_dir = os.path.join(out_dir, "events")
     streams_dir = os.path.join(out_dir, "streams")
     streams_path = os.path.join(streams_dir, "streams.parquet")
-    con = connect_read_only(db_path)
+    con = connector(db_path, lake)()
+    columns = "* EXCLUDE (day)" if lake is not None else "*"  # the lake's partition column is not an event column
     try:
         if run is not None and not con.execute("SELECT count(*) FROM streams WHERE run_id = $run",
                                                {"run": run}).fetchone()[0]:
@@ -54,10 +57,11 @@ def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = Fals
                                              params).fetchall()}
         os.makedirs(streams_dir, exist_ok=True)
         if partition_by_date:
-            select = f"SELECT *, strftime(make_timestamp(ts_ns // 1000), '%Y-%m-%d') AS date FROM events {where}"
+            date = "strftime(make_timestamp(ts_ns // 1000), '%Y-%m-%d') AS date"
+            select = f"SELECT {columns}, {date} FROM events {where}"
             partition = "run_id, date"
         else:
-            select, partition = f"SELECT * FROM events {where}", "run_id"
+            select, partition = f"SELECT {columns} FROM events {where}", "run_id"
         con.execute(
             f"COPY ({select}) TO {_literal(events_dir)} "
             f"(FORMAT parquet, COMPRESSION zstd, PARTITION_BY ({partition}), OVERWRITE)", params
@@ -81,7 +85,7 @@ def export_parquet(db_path: str, out_dir: str, *, partition_by_date: bool = Fals
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """``kvfabric export --db PATH --out DIR`` (Parquet) or ``--format mooncake --run R --out FILE``."""
-    parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file no collector holds (default: %(default)s)")
+    add_source_arguments(parser)
     parser.add_argument("--format", choices=("parquet", "mooncake"), default="parquet",
                         help="parquet: every event, hive-partitioned (default); mooncake: one run's traffic as a "
                              "hash_ids JSONL trace that `kvfabric replay` reads (no token ids, hashes renumbered)")
@@ -105,10 +109,11 @@ def run(args: argparse.Namespace) -> int:
     if args.block_tokens is not None:
         raise UsageError("--block-tokens goes with --format mooncake (a Parquet export keeps every event as stored)")
     try:
-        result = export_parquet(args.db, args.out, partition_by_date=args.by_date, run=args.run, engine=args.engine)
+        result = export_parquet(args.db, args.out, partition_by_date=args.by_date, run=args.run, engine=args.engine,
+                                lake=lake_from_args(args))
     except (DatabaseUnavailable, UnknownRun) as exc:
-        raise UsageError(f"--db {args.db}: {exc}" if isinstance(exc, DatabaseUnavailable) else f"--run: {exc}") \
-            from None
+        raise UsageError(f"{source_label(args)}: {exc}" if isinstance(exc, DatabaseUnavailable)
+                         else f"--run: {exc}") from None
     except (OSError, duckdb.IOException) as exc:
         raise unwritable("--out", args.out, exc) from None
     runs = result["runs"]

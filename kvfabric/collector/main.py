@@ -15,6 +15,7 @@ from kvfabric.collector.config import CollectorConfig, InsecureBind, add_argumen
 from kvfabric.collector.service import Collector
 from kvfabric.ingest.server import SocketInUse, UnsafeSocketDirectory
 from kvfabric.ingest.store import IncompatibleDatabase
+from kvfabric.lake import LakeUnavailable, MissingExtension
 from kvfabric.usage import EXIT_USAGE, UsageError
 
 log = logging.getLogger("kvfabric.collector")
@@ -56,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"could not start: --socket: {e}") from None
     except (InsecureBind, IncompatibleDatabase, ValueError) as e:
         raise UsageError(f"could not start: {e}") from None
+    except (LakeUnavailable, MissingExtension) as e:
+        raise UsageError(f"could not start: {e}") from None
     except duckdb.Error as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if config.lake is not None:
+            raise UsageError(f"could not start: the lake ({config.store_label()}) cannot be used: {first}") from None
         raise UsageError(f"could not start: --db {config.db_path} cannot be opened as the collector's database "
                          f"({first})") from None
     except OSError as e:

@@ -1,4 +1,5 @@
-"""``kvfabric query NAME --db PATH``: run one named query against a database file no collector holds."""
+"""``kvfabric query NAME --db PATH`` (or ``--lake CATALOG --data PATH``): run one named query against a database file
+no collector holds, or against a lake (which collectors may be writing)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvfabric.argtypes import int_range, positive_float
 from kvfabric.collector.columns import aligned
+from kvfabric.lake import LakeLocation
 from kvfabric.queries import (
     MAX_LIMIT,
     QUERY_NAMES,
@@ -22,17 +24,18 @@ from kvfabric.queries import (
     UnknownRun,
     parse_block_hash,
 )
+from kvfabric.queries.sources import add_source_arguments, connector, lake_from_args, source_label
 from kvfabric.usage import UsageError
 
 
-def run_named_query(db_path: str, name: str, **params: Any) -> Any:
-    """Run query ``name`` (see :data:`kvfabric.queries.QUERY_NAMES`) on ``db_path`` opened read-only.
+def run_named_query(db_path: str, name: str, *, lake: LakeLocation | None = None, **params: Any) -> Any:
+    """Run query ``name`` (see :data:`kvfabric.queries.QUERY_NAMES`) on ``db_path`` (or ``lake``) opened read-only.
 
     Parameters left None are dropped (so CLI flags can be passed through unconditionally); ``run_summary``
     without ``run`` returns every run's summary. Raises KeyError (unknown name), BadParameter, UnknownRun,
     NotFound, DatabaseUnavailable (missing file, or locked by a running collector: use its REST API).
     """
-    return QueryRunner.for_path(db_path).run(name, **params)
+    return QueryRunner(connector(db_path, lake)).run(name, **params)
 
 
 #: Each query parameter's command-line flag (``top_waste_families``'s ``n`` is its ``--limit``).
@@ -58,7 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """``kvfabric query NAME --db PATH [--run R] ...``."""
     parser.epilog = "what each query needs:\n" + "\n".join(f"  {n:<19} {usage_of(n)}" for n in QUERY_NAMES)
     parser.add_argument("name", choices=QUERY_NAMES, metavar="NAME", help="one of: " + ", ".join(QUERY_NAMES))
-    parser.add_argument("--db", default="kvfabric.duckdb", help="DuckDB file no collector holds (default: %(default)s)")
+    add_source_arguments(parser)
     parser.add_argument("--run", default=None, help="run id (run_summary, families, evictions, ...)")
     parser.add_argument("--family", default=None, help="family id (family_detail, evictions)")
     parser.add_argument("--engine", default=None, help="engine (evictions)")
@@ -203,9 +206,9 @@ def run(args: argparse.Namespace) -> int:
         "since_ns": args.since_ns, "until_ns": args.until_ns, "cursor": args.cursor,
     })
     try:
-        result = run_named_query(args.db, args.name, **params)
+        result = run_named_query(args.db, args.name, lake=lake_from_args(args), **params)
     except DatabaseUnavailable as exc:
-        raise UsageError(f"--db: {exc}") from None
+        raise UsageError(f"{source_label(args)}: {exc}") from None
     except (BadParameter, NotFound, UnknownRun, QueryTimeout) as exc:
         raise UsageError(f"{args.name}: {exc}") from None
     if args.format == "json":

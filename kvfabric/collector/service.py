@@ -14,12 +14,13 @@ import threading
 import time
 from types import FrameType
 
+import duckdb
 import uvicorn
 
 from kvfabric.api import create_app
 from kvfabric.collector.config import CollectorConfig, check_http_exposure
 from kvfabric.ingest import CollectorMetrics, IngestPipeline
-from kvfabric.queries import QueryRunner
+from kvfabric.queries import DatabaseUnavailable, QueryRunner
 
 log = logging.getLogger("kvfabric.collector")
 
@@ -47,13 +48,19 @@ class Collector:
         self._http_thread: threading.Thread | None = None
         self._started = False
         self.http_url: str | None = None
+        self._lake_reader: duckdb.DuckDBPyConnection | None = None  # --read-only: the lake, attached read-only
+        self._reader_lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start everything; returns once the socket accepts and HTTP answers. Raises on any startup failure
         (:class:`~kvfabric.collector.config.InsecureBind` before anything is opened)."""
         check_http_exposure(self.config)
-        self.pipeline.start()
+        if self.config.read_only:
+            self._lake_reader = self.pipeline.settings.backend.open_read_only(
+                memory_limit=self.config.memory_limit or None)
+        else:
+            self.pipeline.start()
         try:
             if self.config.http:
                 self._start_http()
@@ -63,12 +70,13 @@ class Collector:
         self._started = True
         self.metrics.up.set_function(lambda: 1.0 if self._serving() else 0.0)
         log.info(
-            "kvfabric collector: socket=%s http=%s db=%s",
-            self.config.socket_path, self.http_url or "off", self.config.db_path,
+            "kvfabric collector: socket=%s http=%s %s%s",
+            "off (read-only)" if self.config.read_only else self.config.socket_path, self.http_url or "off",
+            self.config.store_label(), " (read-only)" if self.config.read_only else "",
         )
 
     def _start_http(self) -> None:
-        runner = QueryRunner(self.pipeline.reader_connection)
+        runner = QueryRunner(self._read_only_connection if self.config.read_only else self.pipeline.reader_connection)
         app = create_app(
             runner, registry=self.metrics.registry, health=self.health, token=self.config.resolved_token() or ""
         )  # "" (not None): the config already consulted $KVFABRIC_API_TOKEN; empty means no auth
@@ -92,7 +100,15 @@ class Collector:
                 raise RuntimeError(f"HTTP server did not start on {self.http_url}")
             time.sleep(0.01)
 
+    def _read_only_connection(self) -> duckdb.DuckDBPyConnection:
+        with self._reader_lock:
+            if self._lake_reader is None:
+                raise DatabaseUnavailable("the lake is not attached (collector stopping)")
+            return self.pipeline.settings.backend.cursor(self._lake_reader)
+
     def _serving(self) -> bool:
+        if self.config.read_only:
+            return self._started
         writer = self.pipeline.writer
         return self._started and writer is not None and writer.healthy
 
@@ -109,14 +125,19 @@ class Collector:
         if self._http_sock is not None:
             self._http_sock.close()
             self._http_sock = None
+        with self._reader_lock:
+            if self._lake_reader is not None:
+                self._lake_reader.close()
+                self._lake_reader = None
         report = self.pipeline.stop()
         if not started:
             return report.clean
         if report.clean:
-            log.info("kvfabric collector stopped; db=%s flushed", self.config.db_path)
+            log.info("kvfabric collector stopped; %s flushed", self.config.store_label())
         else:
-            log.error("kvfabric collector stopped WITHOUT a clean flush of db=%s: %s; %d received rows not "
-                      "committed", self.config.db_path, report.problem or "unknown problem", report.uncommitted_rows)
+            log.error("kvfabric collector stopped WITHOUT a clean flush of %s: %s; %d received rows not "
+                      "committed", self.config.store_label(), report.problem or "unknown problem",
+                      report.uncommitted_rows)
         return report.clean
 
     def __enter__(self) -> Collector:
@@ -151,6 +172,9 @@ class Collector:
     def health(self, authorized: bool = False) -> dict[str, object]:
         """/healthz body: ``status`` is ``ok`` while the writer thread lives and DuckDB accepts writes, else
         ``failing`` (HTTP 503). File paths and error texts (which name files) only for ``authorized`` callers."""
+        if self.config.read_only:
+            return {"status": "ok" if self._lake_reader is not None else "failing", "storage": "read-only",
+                    "open_streams": 0, "writer_queue_rows": 0, "commits": 0}
         writer = self.pipeline.writer
         server = self.pipeline.server
         body: dict[str, object] = {

@@ -36,3 +36,7 @@ QUEUE_MAX_BYTES = 512 * 1024 * 1024
 COALESCE_ROWS = 245_760
 COALESCE_MS = 100
 GAP_GRACE_S = 5.0
+
+# ---- retention and compaction (both backends; run by the writer thread) ----
+RETAIN_S = 7 * 86400.0  # --retain 7d: events older than this are deleted; 0 keeps everything
+MAINTENANCE_INTERVAL_S = 300.0  # how often retention and compaction run

@@ -182,6 +182,10 @@ class CollectorMetrics:
             "kvfabric_storage_errors_total", "DuckDB write attempts that failed (disk full, I/O error, invalidated)",
             registry=r,
         )
+        self.commit_conflicts = Counter(
+            "kvfabric_lake_commit_conflicts_total",
+            "Lake commits that lost a race with another writer and were retried (0 on a DuckDB file)", registry=r,
+        )
         self.open_streams = Gauge("kvfabric_open_streams", "Connected sink streams", registry=r)
         self.db_size = Gauge("kvfabric_db_size_bytes", "Size of the DuckDB file and its WAL", registry=r)
         self.writer_queue_rows = Gauge(

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import duckdb
 
 from kvfabric.ingest import defaults as D
+from kvfabric.ingest.backend import Backend
 from kvfabric.ingest.budget import ByteBudget
 from kvfabric.ingest.connection import IngestContext
 from kvfabric.ingest.engines import EngineRegistry
@@ -21,9 +23,10 @@ from kvfabric.ingest.metrics import CollectorMetrics
 from kvfabric.ingest.queue import BatchQueue
 from kvfabric.ingest.ratelimit import RateLimitedLog
 from kvfabric.ingest.server import StreamServer
-from kvfabric.ingest.store import db_size_bytes, open_database
+from kvfabric.ingest.store import StreamState
 from kvfabric.ingest.validate import BatchLimits
 from kvfabric.ingest.writer import EventWriter, StopReport
+from kvfabric.lake import LakeLocation
 from kvfabric.queries import DatabaseUnavailable
 
 log = logging.getLogger("kvfabric.ingest")
@@ -53,6 +56,13 @@ class IngestSettings:
     checkpoint_threshold: str | None = None  # DuckDB size string; None = DuckDB's default (16MB)
     memory_limit: str | None = None  # DuckDB size string; None = DuckDB's default (80 % of RAM)
     allow_uids: frozenset[int] = field(default_factory=frozenset)
+    lake: LakeLocation | None = None  # None: the DuckDB file db_path
+    maintenance: Callable[[duckdb.DuckDBPyConnection], None] | None = None  # retention + compaction, writer thread
+    maintenance_interval_s: float = 60.0
+
+    @property
+    def backend(self) -> Backend:
+        return Backend(self.db_path, self.lake)
 
 
 class IngestPipeline:
@@ -73,18 +83,21 @@ class IngestPipeline:
 
     def start(self) -> None:
         s = self.settings
-        self.con = open_database(s.db_path, s.checkpoint_threshold, s.memory_limit)
+        backend = s.backend
+        self.con = backend.open(checkpoint_threshold=s.checkpoint_threshold, memory_limit=s.memory_limit)
         # Reader connections are made from a parent that no query ever runs on, under a lock, so they never touch
         # the writer's connection object from another thread.
         self._readers_parent = self.con.cursor()
         self.writer = EventWriter(
             self.con, self.queue, self.metrics, coalesce_rows=s.coalesce_rows, coalesce_s=s.coalesce_ms / 1000,
-            gap_grace_s=s.gap_grace_s, reopen=self.reopen,
+            gap_grace_s=s.gap_grace_s, reopen=self.reopen, insert_sql=backend.insert_sql, lake=backend.is_lake,
+            lookup_stream=self._lookup_stream if backend.is_lake else None, maintenance=s.maintenance,
+            maintenance_interval_s=s.maintenance_interval_s,
         )
         writer = self.writer
         budget = ByteBudget(s.max_buffered_bytes)
         self.budget = budget
-        self.metrics.bind_gauges(lambda: db_size_bytes(s.db_path), lambda: writer.pending_rows,
+        self.metrics.bind_gauges(backend.size_bytes, lambda: writer.pending_rows,
                                  lambda: budget.held)
         self.writer.start()
         ctx = IngestContext(
@@ -122,7 +135,23 @@ class IngestPipeline:
         with self._readers_lock:
             if self._readers_parent is None:
                 raise DatabaseUnavailable("the database is not open (storage failing or collector stopping)")
-            return self._readers_parent.cursor()
+            return self.settings.backend.cursor(self._readers_parent)
+
+    def _lookup_stream(self, stream_id: str) -> StreamState | None:
+        """The committed state of one stream in a shared lake (another collector may have written it last)."""
+        try:
+            con = self.reader_connection()
+        except DatabaseUnavailable:
+            return None
+        try:
+            rows = con.execute("SELECT * FROM streams WHERE stream_id = ?", [stream_id]).to_arrow_table()
+            states = [StreamState(**r) for r in rows.to_pylist()]
+        except duckdb.Error as e:
+            log.warning("stream %r: could not read its committed state from the lake (%s)", stream_id, e)
+            return None
+        finally:
+            con.close()
+        return max(states, key=lambda st: st.last_seq, default=None)
 
     def reopen(self) -> duckdb.DuckDBPyConnection:
         """Close every connection to the database and open it again (DuckDB's way out of an invalidated instance:
@@ -137,7 +166,7 @@ class IngestPipeline:
                         pass
             self._readers_parent = None
             self.con = None
-            con = open_database(s.db_path, s.checkpoint_threshold, s.memory_limit)
+            con = s.backend.open(checkpoint_threshold=s.checkpoint_threshold, memory_limit=s.memory_limit)
             self.con = con
             self._readers_parent = con.cursor()
             return con

@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -38,16 +39,16 @@ import pyarrow as pa
 from kvfabric.contract import schema as S
 from kvfabric.ingest import defaults as D
 from kvfabric.ingest.acks import AckChannel
+from kvfabric.ingest.backend import FILE_INSERT_SQL
 from kvfabric.ingest.errors import STORE_FAILED
 from kvfabric.ingest.metrics import CollectorMetrics, CommitAggregate
 from kvfabric.ingest.queue import BatchQueue, BatchReceived, BatchRefused, QueueItem, StreamOpened
 from kvfabric.ingest.ratelimit import RateLimitedLog
-from kvfabric.ingest.store import StreamState, load_streams, quote, streams_table
+from kvfabric.ingest.store import StreamState, load_streams, streams_table
+from kvfabric.lake import is_commit_conflict
 
 log = logging.getLogger("kvfabric.ingest.writer")
 
-_COLS = ", ".join(quote(c) for c in S.COLUMNS)
-_INSERT_SQL = f"INSERT INTO events ({_COLS}) SELECT {_COLS} FROM _kvf_ingest"
 # block_evicted rows per documented reason, in S.EVICTION_REASONS order (validation admits no other value).
 _REASON_COLS = "".join(
     f",\n       count(*) FILTER (WHERE event = '{S.BLOCK_EVICTED}' AND reason = '{r}') AS evicted_{r}"
@@ -70,6 +71,10 @@ MAX_PENDING_GAP_RANGES = 256
 """Open gaps remembered per stream (ranges of missing seqs); beyond it the oldest are confirmed at once."""
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
+CONFLICT_RETRIES = 12
+"""Lake commit races retried at once (with jittered backoff) before the commit counts as a storage fault."""
+CONFLICT_BACKOFF_S = 0.02
+CONFLICT_BACKOFF_MAX_S = 1.0
 
 
 class StorageFault(Exception):
@@ -164,8 +169,21 @@ class EventWriter:
         coalesce_s: float = D.COALESCE_MS / 1000,
         gap_grace_s: float = D.GAP_GRACE_S,
         reopen: Callable[[], duckdb.DuckDBPyConnection] | None = None,
+        insert_sql: str = FILE_INSERT_SQL,
+        lake: bool = False,
+        lookup_stream: Callable[[str], StreamState | None] | None = None,
+        maintenance: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
+        maintenance_interval_s: float = 60.0,
     ) -> None:
         self._con = con
+        self._insert_sql = insert_sql
+        # A lake is shared: another collector may have committed a stream since this one loaded it, and any
+        # storage fault (catalog connection lost, object store refusing) is cured by attaching again.
+        self._lake = lake
+        self._lookup_stream = lookup_stream
+        self._maintenance = maintenance
+        self._maintenance_interval_s = maintenance_interval_s
+        self._next_maintenance = time.monotonic() + maintenance_interval_s
         self._queue = queue
         self._metrics = metrics
         self._coalesce_rows = coalesce_rows
@@ -249,6 +267,10 @@ class EventWriter:
         """HELLO's value for a connecting stream: every batch up to it is committed (or given up as a gap)."""
         st = self._streams.get(stream_id)
         last = st.last_seq if st is not None else -1
+        if self._lookup_stream is not None:  # a lake: the stream may have been committed by another collector
+            shared = self._lookup_stream(stream_id)
+            if shared is not None and shared.last_seq > last:
+                return shared.last_seq
         gaps = self._gaps.get(stream_id)
         first_missing = gaps.low_watermark() if gaps is not None else None
         return last if first_missing is None else min(last, first_missing - 1)
@@ -268,13 +290,26 @@ class EventWriter:
                 if items is None:
                     self._confirm_gaps(float("inf"))  # stopping: what is still open stays open for good
                     return
-                if not items:
-                    continue
-                self._process(items)
+                if items:
+                    self._process(items)
+                self._maybe_maintain()
         except BaseException as e:  # recorded for /healthz, then the thread ends loudly
             self.failed = e
             log.exception("writer thread died; ingest stops committing")
             raise
+
+    def _maybe_maintain(self) -> None:
+        """Retention and compaction (``maintenance``), in this thread so they never race the writes, when due and
+        storage is healthy. A failure is logged and retried at the next interval; ingest goes on."""
+        if self._maintenance is None or self._held or time.monotonic() < self._next_maintenance:
+            return
+        try:
+            self._maintenance(self._con)
+        except Exception as e:
+            self._rlog.log(logging.WARNING, "maintenance", "retention/compaction failed (retried in %.0f s): %s",
+                           self._maintenance_interval_s, str(e).splitlines()[0][:300] if str(e) else e)
+        finally:
+            self._next_maintenance = time.monotonic() + self._maintenance_interval_s
 
     def _process(self, items: list[QueueItem]) -> None:
         self._in_flight_rows = sum(i.rows for i in items)
@@ -289,7 +324,7 @@ class EventWriter:
 
     def _storage_failed(self, exc: BaseException) -> None:
         self._attempts += 1
-        self._needs_reopen = self._needs_reopen or needs_reopen(exc)
+        self._needs_reopen = self._needs_reopen or self._lake or needs_reopen(exc)
         self._metrics.storage_errors.inc()
         self._metrics.storage_healthy.set(0)
         first = self.storage_problem is None
@@ -407,11 +442,14 @@ class EventWriter:
             if isinstance(item, StreamOpened):
                 m = item.meta
                 old = states.get(m.stream_id) or self._streams.get(m.stream_id)
+                if m.stream_id not in states:
+                    old = self._fresher(old, m.stream_id)
                 st = StreamState(
                     stream_id=m.stream_id, run_id=m.run_id, engine=m.engine, vllm_version=m.vllm_version,
                     block_size=m.block_size, num_blocks=m.num_blocks, policy=m.policy, settings=m.settings,
                     schema_version=m.schema_version, peer=item.peer,
                     first_seen_ns=old.first_seen_ns if old else item.received_ns, last_seen_ns=item.received_ns,
+                    host=m.host, dp_rank=m.dp_rank,
                 )
                 if old is not None:  # a reconnect: keep the accounting, refresh the metadata
                     for name in ("connections", "batches", "rows", "last_seq", "gaps", "seq_resets",
@@ -456,6 +494,15 @@ class EventWriter:
             batches.append(item.batch)
         return batches, duplicates, refused_rows, refusals
 
+    def _fresher(self, known: StreamState | None, stream_id: str) -> StreamState | None:
+        """The lake's committed state of ``stream_id`` when it is ahead of ours (the stream last wrote through
+        another collector): its batches up to that ``last_seq`` are then recognised as duplicates."""
+        shared = self._lookup_stream(stream_id) if self._lookup_stream is not None else None
+        if shared is not None and (known is None or shared.last_seq > known.last_seq):
+            self._gaps.pop(stream_id, None)
+            return shared
+        return known
+
     # -- commit ---------------------------------------------------------------------------------------------
     def _commit(self, items: list[QueueItem]) -> None:
         """Commit ``items`` in one transaction, or item by item when DuckDB refuses one for its data.
@@ -470,7 +517,7 @@ class EventWriter:
         table = pa.Table.from_batches(batches, schema=S.EVENT_SCHEMA).combine_chunks()
         t0 = time.perf_counter()
         try:
-            aggregates, rebuilt = self._transaction(table, list(states.values()))
+            aggregates, rebuilt = self._transaction_retrying(table, list(states.values()))
         except duckdb.Error as e:
             if is_storage_fault(e):
                 raise StorageFault(str(e)) from e
@@ -520,6 +567,23 @@ class EventWriter:
         else:
             log.error("could not record %s: %s", item_label(item), exc)
 
+    def _transaction_retrying(
+        self, table: pa.Table, states: list[StreamState]
+    ) -> tuple[list[CommitAggregate], list[tuple[str | None, str | None, int | None]]]:
+        """:meth:`_transaction`, run again after a lost lake commit race (counted), with jittered exponential
+        backoff so racing collectors spread out; after :data:`CONFLICT_RETRIES` the error goes to the caller."""
+        attempt = 0
+        while True:
+            try:
+                return self._transaction(table, states)
+            except duckdb.Error as e:
+                if not (self._lake and is_commit_conflict(e)) or attempt >= CONFLICT_RETRIES:
+                    raise
+                self._metrics.commit_conflicts.inc()
+                attempt += 1
+                pause = min(CONFLICT_BACKOFF_MAX_S, CONFLICT_BACKOFF_S * 2 ** attempt)
+                time.sleep(random.uniform(pause / 2, pause))
+
     def _transaction(
         self, table: pa.Table, states: list[StreamState]
     ) -> tuple[list[CommitAggregate], list[tuple[str | None, str | None, int | None]]]:
@@ -531,7 +595,7 @@ class EventWriter:
             if table.num_rows:
                 con.register("_kvf_ingest", table)
                 try:
-                    con.execute(_INSERT_SQL)
+                    con.execute(self._insert_sql)
                     aggregates = [CommitAggregate.from_row(row) for row in con.execute(_AGG_SQL).fetchall()]
                     if any(a.event == S.BLOCK_REBUILT for a in aggregates):
                         rebuilt = con.execute(_REBUILT_SQL).fetchall()
