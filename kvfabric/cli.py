@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ab": ("kvfabric.bench.ab", "A/B policies on a scenario: fresh servers, one collector, Markdown + PNG report"),
     "sim-serve": ("kvfabric.sim.serve", "vLLM's real OpenAI server on CPU with a simulated model (H200 timings)"),
     "status": ("kvfabric.collector.status", "list the engines a running collector hears from (before any request)"),
+    "fleet": ("kvfabric.collector.fleet", "per host and engine: hit rate, evictions, wasted prefill, ingest lag, loss"),
 }
 
 _EPILOG = """\
@@ -37,6 +38,7 @@ examples:
   kvfabric collector --db kv.duckdb      # serve ingest + REST on the default socket and 127.0.0.1:8321
   kvfabric query run_summary --db kv.duckdb --run demo
   kvfabric export --db kv.duckdb --out parquet/
+  kvfabric fleet --lake postgres:dbname=kvf --data s3://bucket/kvf --since 1h
 
 turn the hook on inside vLLM:  KVFABRIC_LIFECYCLE=1 vllm serve ...   (see README)
 """

@@ -349,7 +349,7 @@ def test_rest_refuses_unknown_query_parameters(empty_db: str) -> None:
     r = client.get("/api/v1/evictions", params={"familly": "x"})
     assert r.status_code == 422
     assert r.json()["detail"] == ("unknown query parameter(s) familly; /api/v1/evictions accepts: cursor, engine, "
-                                  "family, limit, run, since_ns, until_ns")
+                                  "family, host, limit, lora, run, since_ns, tenant, until_ns")
     assert client.get("/api/v1/evictions", params={"family": "x", "limit": 5}).status_code == 200
     r = client.get("/api/v1/runs", params={"run": "x"})
     assert r.status_code == 422 and "accepts: none" in r.json()["detail"]

@@ -119,6 +119,10 @@ class EventRow(BaseModel):
     policy: str | None
     age_ns: int | None
     reason: str | None = Field(None, description="block_evicted: pressure, connector or reset (docs/design.md §4)")
+    host: str | None = Field(None, description="host of the emitting engine (null: rows older than schema 3)")
+    dp_rank: int | None = Field(None, description="vLLM data-parallel rank of the emitting engine")
+    tenant: str | None = Field(None, description="cache_salt of the request (of the one that sealed the block)")
+    lora: str | None = Field(None, description="LoRA adapter of the request (of the one that sealed the block)")
 
 
 class EvictionPage(BaseModel):
@@ -184,3 +188,45 @@ class EngineInfo(BaseModel):
     connections: int = Field(description="connections the stream made (1 + reconnects)")
     stream_id: str
     protocol: int
+
+
+class FleetCounts(BaseModel):
+    """The fleet overview's numbers (docs/design.md §5 definitions, as in the run summary), over the time window."""
+
+    runs: list[str] = Field(description="runs with events (or, without a window, streams) here")
+    requests: int = Field(description="admissions (prefix_lookup rows)")
+    prompt_tokens: int
+    hit_tokens: int = Field(description="prompt tokens served from the prefix cache (run summary: prefix_hit_tokens)")
+    prefix_hit_rate: float = Field(description="hit_tokens / prompt_tokens")
+    evicted_blocks: int
+    shared_anchor_evictions: int = Field(description="evicted blocks with share_degree >= 2")
+    shared_anchor_eviction_ratio: float = Field(description="shared_anchor_evictions / evicted_blocks")
+    rebuilt_blocks: int = Field(description="rebuilt-from-eviction blocks (block_rebuilt rows)")
+    wasted_prefill_tokens: int = Field(description="rebuilt blocks x the block size of their stream")
+    events: int = Field(description="stored rows in the window")
+    sink_dropped_events: int = Field(description="events the sinks reported lost (sink_dropped rows)")
+    sequence_gaps: int = Field(description="batches lost between sink and collector (streams.gaps)")
+    ingest_lag_s: float | None = Field(description="max over the streams of (last receipt - newest stored event) "
+                                                   "in seconds; null without a stored event")
+    first_ts_ns: int | None
+    last_ts_ns: int | None
+
+
+class FleetEngine(FleetCounts):
+    host: str = Field(description="the events' host column ('' for rows that carry none)")
+    engine: str
+    dp_rank: int | None
+
+
+class FleetTotals(FleetCounts):
+    """The engines' counts summed, ratios recomputed from the sums, ingest_lag_s their maximum."""
+
+    hosts: int
+    engines: int
+
+
+class FleetOverview(BaseModel):
+    since_ns: int | None = Field(description="the window's inclusive start (null: unbounded)")
+    until_ns: int | None = Field(description="the window's exclusive end (null: unbounded)")
+    totals: FleetTotals
+    engines: list[FleetEngine] = Field(description="one per (host, engine), ordered by host, engine")

@@ -52,6 +52,10 @@ RequiredRun = Annotated[str, text_query("run id", required=True), NoNul]
 """Mandatory ``run`` parameter."""
 FamilyFilter = Annotated[str | None, text_query("family id"), NoNul]
 EngineFilter = Annotated[str | None, text_query("engine label"), NoNul]
+HostFilter = Annotated[str | None, text_query("host name (the events' host column: KVFABRIC_HOST of the engine, "
+                                             "else its machine's name)"), NoNul]
+TenantFilter = Annotated[str | None, text_query("tenant: the requests' vLLM cache_salt"), NoNul]
+LoraFilter = Annotated[str | None, text_query("LoRA adapter name of the requests"), NoNul]
 SinceNs = Annotated[int | None, int64_query("inclusive lower bound on ts_ns (ns since the epoch, int64)")]
 UntilNs = Annotated[int | None, int64_query("exclusive upper bound on ts_ns (ns since the epoch, int64)")]
 PathText = Annotated[str, Path(min_length=1, max_length=MAX_TEXT), NoNul]

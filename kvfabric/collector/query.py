@@ -12,6 +12,7 @@ from typing import Any
 
 from kvfabric.argtypes import int_range, positive_float
 from kvfabric.collector.columns import aligned
+from kvfabric.collector.fleet import table_lines as fleet_table_lines
 from kvfabric.lake import LakeLocation
 from kvfabric.queries import (
     MAX_LIMIT,
@@ -42,7 +43,8 @@ def run_named_query(db_path: str, name: str, *, lake: LakeLocation | None = None
 FLAGS: dict[str, str] = {
     "run": "--run", "family": "--family", "engine": "--engine", "block_hash": "--block-hash", "a": "--a",
     "b": "--b", "request_id": "--request-id", "bucket_s": "--bucket-s", "since_ns": "--since-ns",
-    "until_ns": "--until-ns", "limit": "--limit", "n": "--limit", "cursor": "--cursor",
+    "until_ns": "--until-ns", "limit": "--limit", "n": "--limit", "cursor": "--cursor", "host": "--host",
+    "tenant": "--tenant", "lora": "--lora",
 }
 
 
@@ -65,6 +67,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default=None, help="run id (run_summary, families, evictions, ...)")
     parser.add_argument("--family", default=None, help="family id (family_detail, evictions)")
     parser.add_argument("--engine", default=None, help="engine (evictions)")
+    parser.add_argument("--host", default=None, help="only events of this host (run_summary, families, evictions)")
+    parser.add_argument("--tenant", default=None,
+                        help="only events of this tenant, the requests' cache_salt (run_summary, families, evictions)")
+    parser.add_argument("--lora", default=None,
+                        help="only events of this LoRA adapter (run_summary, families, evictions)")
     parser.add_argument("--block-hash", dest="block_hash", type=_block_hash, default=None, metavar="HASH",
                         help="block digest, as REST takes and prints it: 16 hex digits, 0x-hex or signed decimal "
                              "(block_history)")
@@ -74,9 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-s", dest="bucket_s", type=positive_float, default=None,
                         help="time-window length in seconds (misses; default 60)")
     parser.add_argument("--since-ns", dest="since_ns", type=_INT64, default=None,
-                        help="events at or after this time, ns since the epoch (evictions)")
+                        help="events at or after this time, ns since the epoch (evictions, fleet)")
     parser.add_argument("--until-ns", dest="until_ns", type=_INT64, default=None,
-                        help="events before this time, ns since the epoch (evictions)")
+                        help="events before this time, ns since the epoch (evictions, fleet)")
     parser.add_argument("--limit", type=int_range(1, MAX_LIMIT), default=None,
                         help=f"rows per answer, 1..{MAX_LIMIT} (default: the query's own, shown below)")
     parser.add_argument("--cursor", default=None,
@@ -170,6 +177,9 @@ def _is_rows(value: Any) -> bool:
 
 
 def _print_table(result: Any) -> None:
+    if isinstance(result, dict) and "engines" in result and "totals" in result:  # fleet: kvfabric fleet's table
+        print("\n".join(fleet_table_lines(result)) if result["engines"] else "(no engines)")
+        return
     if isinstance(result, dict) and ("totals" in result or "admissions" in result):
         _print_sections(result)
         return
@@ -203,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     params = query_params(args.name, {
         "run": args.run, "family": args.family, "engine": args.engine, "block_hash": args.block_hash, "a": args.a,
         "b": args.b, "limit": args.limit, "request_id": args.request_id, "bucket_s": args.bucket_s,
-        "since_ns": args.since_ns, "until_ns": args.until_ns, "cursor": args.cursor,
+        "since_ns": args.since_ns, "until_ns": args.until_ns, "cursor": args.cursor, "host": args.host,
+        "tenant": args.tenant, "lora": args.lora,
     })
     try:
         result = run_named_query(args.db, args.name, lake=lake_from_args(args), **params)

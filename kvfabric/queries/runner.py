@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import duckdb
@@ -56,6 +57,22 @@ SUMMARY_NUMBERS: tuple[str, ...] = (
 """Summary fields compared by :meth:`QueryRunner.compare` (delta = b - a)."""
 
 
+@dataclass(frozen=True)
+class Dims:
+    """The dimension filters of families, evictions and run summaries (None: any): the events' ``host``,
+    ``tenant`` (vLLM's cache_salt) and ``lora`` (adapter name) columns, bound as SQL parameters."""
+
+    host: str | None = None
+    tenant: str | None = None
+    lora: str | None = None
+
+    def params(self) -> dict[str, str | None]:
+        return {"host": self.host, "tenant": self.tenant, "lora": self.lora}
+
+
+NO_DIMS = Dims()
+
+
 class UnknownRun(LookupError):
     """No stream of this run was ever accepted."""
 
@@ -80,6 +97,11 @@ def _limit(value: int, name: str = "limit") -> int:
     if not 1 <= value <= MAX_LIMIT:
         raise BadParameter(f"{name} must be between 1 and {MAX_LIMIT}, got {value}")
     return value
+
+
+def _window(since_ns: int | None, until_ns: int | None) -> None:
+    if since_ns is not None and until_ns is not None and since_ns > until_ns:
+        raise BadParameter(f"since_ns ({since_ns}) is after until_ns ({until_ns})")
 
 
 def connect_read_only(db_path: str) -> duckdb.DuckDBPyConnection:
@@ -188,37 +210,52 @@ class QueryRunner:
         with self._connection() as con:
             return bool(self._rows(con, "run_exists", run=run)[0]["found"])
 
-    def run_summary(self, run: str) -> Row:
+    def run_summary(
+        self, run: str, host: str | None = None, tenant: str | None = None, lora: str | None = None
+    ) -> Row:
         """The docs/design.md §5 summary of one run (fields: see sql/run_summary.sql), with the run's miss split
-        and evictions by reason (:func:`kvfabric.queries.misses.summary_fields`)."""
+        and evictions by reason (:func:`kvfabric.queries.misses.summary_fields`). ``host``, ``tenant`` (cache_salt)
+        and ``lora`` restrict it to those events (None: any)."""
         with self._connection() as con:
             self._require_run(con, run)
-            return self._summary(con, run)
+            return self._summary(con, run, Dims(host, tenant, lora))
 
-    def _summary(self, con: duckdb.DuckDBPyConnection, run: str) -> Row:
-        row = self._rows(con, "run_summary", run=run)[0]
-        split = self._rows(con, "misses", run=run, bucket_ns=M.ONE_WINDOW_NS, with_admissions=False)
-        row.update(M.summary_fields(split, self._rows(con, "eviction_reasons", run=run)))
+    def _summary(self, con: duckdb.DuckDBPyConnection, run: str, dims: Dims = NO_DIMS) -> Row:
+        row = self._rows(con, "run_summary", run=run, **dims.params())[0]
+        split = self._rows(con, "misses", run=run, bucket_ns=M.ONE_WINDOW_NS, with_admissions=False,
+                           **dims.params())
+        row.update(M.summary_fields(split, self._rows(con, "eviction_reasons", run=run, **dims.params())))
         return row
 
-    def families(self, run: str | None = None, limit: int = 100) -> list[Row]:
-        """Per (run, family) analytics, most wasted prefill first; every run when ``run`` is None."""
+    def families(
+        self,
+        run: str | None = None,
+        limit: int = 100,
+        host: str | None = None,
+        tenant: str | None = None,
+        lora: str | None = None,
+    ) -> list[Row]:
+        """Per (run, family) analytics, most wasted prefill first; every run when ``run`` is None; only the events
+        of ``host``, ``tenant`` (cache_salt) and ``lora`` when given."""
         with self._connection() as con:
             if run is not None:
                 self._require_run(con, run)
-            return self._rows(con, "families", run=run, family=None, min_wasted_tokens=0, limit=_limit(limit))
+            return self._rows(con, "families", run=run, family=None, min_wasted_tokens=0, limit=_limit(limit),
+                              **Dims(host, tenant, lora).params())
 
     def top_waste_families(self, run: str, n: int = 10) -> list[Row]:
         """The ``n`` families of ``run`` that wasted the most prefill (only families that wasted some)."""
         with self._connection() as con:
             self._require_run(con, run)
-            return self._rows(con, "families", run=run, family=None, min_wasted_tokens=1, limit=_limit(n, "n"))
+            return self._rows(con, "families", run=run, family=None, min_wasted_tokens=1, limit=_limit(n, "n"),
+                              **NO_DIMS.params())
 
     def family_detail(self, run: str, family: str) -> Row:
         """One family of one run: its families row plus evictions and rebuilds by depth."""
         with self._connection() as con:
             self._require_run(con, run)
-            rows = self._rows(con, "families", run=run, family=family, min_wasted_tokens=0, limit=1)
+            rows = self._rows(con, "families", run=run, family=family, min_wasted_tokens=0, limit=1,
+                              **NO_DIMS.params())
             if not rows:
                 raise NotFound(f"family {family!r} has no lookups, evictions or rebuilds in run {run!r}")
             detail = rows[0]
@@ -234,14 +271,17 @@ class QueryRunner:
         until_ns: int | None = None,
         limit: int = 1000,
         cursor: str | None = None,
+        host: str | None = None,
+        tenant: str | None = None,
+        lora: str | None = None,
     ) -> Row:
-        """One page of ``block_evicted`` rows, oldest first: ``{"items": [...], "next_cursor": str | None}``.
+        """One page of ``block_evicted`` rows, oldest first: ``{"items": [...], "next_cursor": str | None}``;
+        ``host``, ``tenant`` (cache_salt) and ``lora`` filter like ``engine`` (None: any).
 
         ``next_cursor`` is None on the last page; pass it back unchanged (with the same filters) for the next.
         """
         _limit(limit)
-        if since_ns is not None and until_ns is not None and since_ns > until_ns:
-            raise BadParameter(f"since_ns ({since_ns}) is after until_ns ({until_ns})")
+        _window(since_ns, until_ns)
         after = Cursor.decode(cursor) if cursor else None
         with self._connection() as con:
             if run is not None:
@@ -250,6 +290,7 @@ class QueryRunner:
                 con, "evictions", run=run, family=family, engine=engine, since_ns=since_ns, until_ns=until_ns,
                 after_ts=after.ts_ns if after else None, after_rowid=after.row_key if after else None,
                 limit=limit + 1,  # one more than asked tells whether another page exists
+                **Dims(host, tenant, lora).params(),
             )
         next_cursor = None
         if len(rows) > limit:
@@ -294,8 +335,8 @@ class QueryRunner:
             span = self._rows(con, "run_span", run=run)[0]
             if span["first_ts_ns"] is not None and (span["last_ts_ns"] - span["first_ts_ns"]) // bucket_ns >= MAX_LIMIT:
                 raise BadParameter(f"bucket_s={bucket_s:g} cuts run {run!r} into more than {MAX_LIMIT} windows")
-            rows = self._rows(con, "misses", run=run, bucket_ns=bucket_ns, with_admissions=False)
-            reasons = self._rows(con, "eviction_reasons", run=run)
+            rows = self._rows(con, "misses", run=run, bucket_ns=bucket_ns, with_admissions=False, **NO_DIMS.params())
+            reasons = self._rows(con, "eviction_reasons", run=run, **NO_DIMS.params())
         return M.misses_response(run, bucket_s, rows, reasons)
 
     def admission_misses(self, run: str, limit: int = MAX_LIMIT) -> list[Row]:
@@ -303,7 +344,8 @@ class QueryRunner:
         _limit(limit)
         with self._connection() as con:
             self._require_run(con, run)
-            rows = self._rows(con, "misses", run=run, bucket_ns=M.ONE_WINDOW_NS, with_admissions=True)
+            rows = self._rows(con, "misses", run=run, bucket_ns=M.ONE_WINDOW_NS, with_admissions=True,
+                              **NO_DIMS.params())
         return M.admission_rows(rows)[:limit]
 
     def request(self, request_id: str, run: str | None = None) -> Row:
@@ -330,6 +372,23 @@ class QueryRunner:
             self._require_run(con, run)
             return self._rows(con, "run_engines", run=run)
 
+    def fleet(self, since_ns: int | None = None, until_ns: int | None = None, run: str | None = None) -> Row:
+        """The fleet overview (sql/fleet.sql): ``{"since_ns", "until_ns", "totals", "engines"}``, ``engines`` one
+        object per (host, engine) with events in the window (or, without a window, any stream), ordered by host and
+        engine; ``totals`` sums their counts (ratios recomputed from the sums, ``ingest_lag_s`` their maximum) and
+        adds ``hosts`` and ``engines`` (how many)."""
+        _window(since_ns, until_ns)
+        with self._connection() as con:
+            if run is not None:
+                self._require_run(con, run)
+            rows = self._rows(con, "fleet", since_ns=since_ns, until_ns=until_ns, run=run)
+        engines = [{k: v for k, v in r.items() if k != "level"} for r in rows if r["level"] == "engine"]
+        [total] = [r for r in rows if r["level"] == "total"]
+        totals = {k: v for k, v in total.items() if k not in ("level", "host", "engine", "dp_rank")}
+        totals["hosts"] = len({e["host"] for e in engines})
+        totals["engines"] = len(engines)
+        return {"since_ns": since_ns, "until_ns": until_ns, "totals": totals, "engines": engines}
+
     @staticmethod
     def _bucket_ns(bucket_s: float) -> int:
         if not M.MIN_BUCKET_S <= bucket_s <= 1e9:
@@ -346,7 +405,7 @@ class QueryRunner:
             raise KeyError(f"unknown query {name!r}; known: {', '.join(QUERY_NAMES)}")
         params = {k: v for k, v in params.items() if v is not None}
         if name == "run_summary" and "run" not in params:
-            return [self.run_summary(r["run_id"]) for r in self.runs()]
+            return [self.run_summary(r["run_id"], **params) for r in self.runs()]
         method = getattr(self, name)
         try:
             inspect.signature(method).bind(**params)
@@ -368,4 +427,5 @@ QUERY_NAMES: tuple[str, ...] = (
     "misses",
     "admission_misses",
     "request",
+    "fleet",
 )

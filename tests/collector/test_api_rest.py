@@ -60,7 +60,8 @@ def test_healthz_shows_file_paths_only_to_authenticated_callers(live: CollectorF
     assert httpx.get(live.http_url + "/docs").status_code == 200
     paths = httpx.get(live.http_url + "/openapi.json").json()["paths"]
     assert {"/api/v1/runs", "/api/v1/runs/{run_id}/summary", "/api/v1/evictions", "/api/v1/families",
-            "/api/v1/families/{family}", "/api/v1/blocks/{block_hash}/history", "/api/v1/compare"} <= set(paths)
+            "/api/v1/families/{family}", "/api/v1/blocks/{block_hash}/history", "/api/v1/compare",
+            "/api/v1/fleet"} <= set(paths)
 
 
 def test_runs_summary_families_compare(api: httpx.Client) -> None:
@@ -78,6 +79,27 @@ def test_runs_summary_families_compare(api: httpx.Client) -> None:
     assert c["delta"]["wasted_prefill_tokens"] == -32 and c["b"]["prefix_hit_rate"] == pytest.approx(0.85)
     h = api.get(f"/api/v1/blocks/{HASH_STORY:016x}/history").json()
     assert len(h["events"]) == 6 and h["block_hash_hex"] == f"{HASH_STORY:016x}"
+
+
+def test_dimension_filters_are_declared_and_applied(live: CollectorFiles, api: httpx.Client) -> None:
+    paths = httpx.get(live.http_url + "/openapi.json").json()["paths"]
+    for path in ("/api/v1/runs/{run_id}/summary", "/api/v1/families", "/api/v1/evictions"):
+        declared = {p["name"]: p for p in paths[path]["get"]["parameters"]}
+        for name in ("host", "tenant", "lora"):
+            assert declared[name]["in"] == "query" and not declared[name]["required"], (path, name)
+            assert declared[name]["description"], (path, name)
+    s = api.get("/api/v1/runs/runA/summary", params={"host": "h1"}).json()
+    assert (s["prompt_tokens"], s["evicted_blocks"], s["wasted_prefill_tokens"], s["engines"]) == (100, 4, 16, ["e1"])
+    t = api.get("/api/v1/runs/runA/summary", params={"tenant": "t1"}).json()
+    assert (t["requests"], t["prompt_tokens"], t["prefix_hit_tokens"]) == (3, 364, 100)
+    fams = api.get("/api/v1/families", params={"run": "runA", "lora": "loraY"}).json()
+    assert [(f["family"], f["wasted_prefill_tokens"]) for f in fams] == [("famY", 16)]
+    items = api.get("/api/v1/evictions", params={"host": "h0", "limit": 100}).json()["items"]
+    assert len(items) == 8 and {(i["host"], i["dp_rank"], i["lora"]) for i in items} == {("h0", 0, None)}
+    assert api.get("/api/v1/evictions", params={"lora": "loraY"}).json()["items"][0]["lora"] == "loraY"
+    r = api.get("/api/v1/families", params={"hots": "h0"})
+    assert r.status_code == 422 and "hots" in r.json()["detail"] and "host" in r.json()["detail"]
+    assert api.get("/api/v1/evictions", params={"tenant": "\x00"}).status_code == 422
 
 
 def test_eviction_cursor_walks_every_eviction_exactly_once(api: httpx.Client) -> None:
@@ -98,6 +120,10 @@ def test_eviction_cursor_walks_every_eviction_exactly_once(api: httpx.Client) ->
     [
         ("/api/v1/runs/nope/summary", {}, 404, "unknown run 'nope'"),
         ("/api/v1/families", {"run": "nope"}, 404, "unknown run 'nope'"),
+        ("/api/v1/fleet", {"run": "nope"}, 404, "unknown run 'nope'"),
+        ("/api/v1/fleet", {"since_ns": 5, "until_ns": 1}, 422, "since_ns (5) is after until_ns (1)"),
+        ("/api/v1/fleet", {"since_ns": str(1 << 63)}, 422, "query parameter 'since_ns'"),
+        ("/api/v1/runs/runA/summary", {"host": "h" * 1025}, 422, "query parameter 'host'"),
         ("/api/v1/compare", {"a": "runA", "b": "nope"}, 404, "unknown run 'nope'"),
         ("/api/v1/families/famZ", {"run": "runA"}, 404, "family 'famZ' has no lookups"),
         ("/api/v1/blocks/7/history", {}, 404, "no events for block hash '7'"),

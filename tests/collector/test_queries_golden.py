@@ -149,3 +149,55 @@ def test_unknown_runs_and_the_cli_entry_point(golden_db: str, q: QueryRunner) ->
         run_named_query(db, "drop_table")
     with pytest.raises(BadParameter):
         run_named_query(db, "families", colour="red")
+
+
+# ------------------------------------------------------------------------------ dimension filters (schema 3)
+
+
+def test_run_summary_filters_by_host_tenant_and_lora(q: QueryRunner) -> None:
+    h1 = q.run_summary("runA", host="h1")  # e1 alone: famY
+    assert (h1["prompt_tokens"], h1["prefix_hit_tokens"], h1["requests"]) == (100, 10, 2)
+    assert (h1["evicted_blocks"], h1["rebuilt_from_eviction_blocks"], h1["wasted_prefill_tokens"]) == (4, 1, 16)
+    assert h1["engines"] == ["e1"] and h1["block_size"] == 16 and h1["sink_dropped_events"] == 0
+    h0 = q.run_summary("runA", host="h0")
+    assert (h0["prompt_tokens"], h0["evicted_blocks"], h0["wasted_prefill_tokens"]) == (1000, 6, 48)
+    assert h0["evictions_by_reason"]["unknown"] == 6
+    t1 = q.run_summary("runA", tenant="t1")  # lookups a0, a1 (e0) and b0 (e1)
+    assert (t1["requests"], t1["prompt_tokens"], t1["prefix_hit_tokens"]) == (3, 364, 100)
+    assert t1["evicted_blocks"] == 0  # no eviction row of the workload carries a tenant
+    # the miss split covers exactly the filtered admissions
+    assert (t1["prefix_hit_tokens"] - t1["hit_tokens_past_prompt"] + t1["evicted_tokens"] + t1["novel_tokens"]
+            + t1["uncacheable_tokens"]) == 364
+    lora = q.run_summary("runA", lora="loraY")
+    assert (lora["prompt_tokens"], lora["evicted_blocks"], lora["rebuilt_from_eviction_blocks"]) == (100, 4, 1)
+    none = q.run_summary("runA", host="nowhere")
+    assert (none["events"], none["prompt_tokens"], none["engines"]) == (0, 0, [])
+    assert q.run_summary("runA", host=None) == q.run_summary("runA")
+
+
+def test_families_filter_by_host_tenant_and_lora(q: QueryRunner) -> None:
+    assert [(f["family"], f["wasted_prefill_tokens"]) for f in q.families("runA", lora="loraY")] == [("famY", 16)]
+    assert [(f["run_id"], f["family"]) for f in q.families(host="h0")] == [("runA", "famX"), ("runB", "famX")]
+    t2 = q.families("runA", tenant="t2")
+    assert [(f["family"], f["requests"], f["prompt_tokens"], f["prefix_hit_tokens"]) for f in t2] == [
+        ("famX", 2, 700, 400)]
+    assert q.families(host="nowhere") == []
+
+
+def test_evictions_filter_by_host_tenant_and_lora(q: QueryRunner) -> None:
+    h0 = q.evictions(host="h0", limit=100)["items"]
+    assert len(h0) == 8 and {(e["engine"], e["host"], e["dp_rank"]) for e in h0} == {("e0", "h0", 0)}
+    loras = q.evictions(lora="loraY", limit=100)["items"]
+    assert len(loras) == 4 and {(e["engine"], e["lora"], e["family"]) for e in loras} == {("e1", "loraY", "famY")}
+    assert q.evictions(run="runA", host="h1", engine="e0", limit=100)["items"] == []
+    assert q.evictions(tenant="t1", limit=100)["items"] == []
+    # pages under a filter walk the filtered rows only
+    page = q.evictions(host="h0", limit=5)
+    rest = q.evictions(host="h0", limit=5, cursor=page["next_cursor"])
+    assert len(page["items"]) + len(rest["items"]) == 8 and rest["next_cursor"] is None
+
+
+def test_the_cli_entry_point_passes_the_filters(golden_db: str) -> None:
+    assert run_named_query(golden_db, "run_summary", run="runA", host="h1")["prompt_tokens"] == 100
+    assert [s["prompt_tokens"] for s in run_named_query(golden_db, "run_summary", lora="loraY")] == [100, 0]
+    assert len(run_named_query(golden_db, "evictions", host="h0", limit=100)["items"]) == 8

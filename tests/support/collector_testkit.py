@@ -4,16 +4,17 @@ process on a private socket, database file and free port.
 The golden workload (:func:`golden_streams`) is written out row by row so that the expected numbers in the tests
 are plain arithmetic a reader can check, not the output of a second implementation:
 
-run ``runA`` (policy lru, block size 16; engines e0 and e1, one stream each)
+run ``runA`` (policy lru, block size 16; engines e0 on host h0 and e1 on host h1 (dp rank 1), one stream each)
     famX on e0: 4 lookups, prompt 100+200+300+400 = 1000, hits 0+100+150+250 = 500, regret 0+1+0+2 = 3;
                 6 evictions, share_degree 1,2,3,1,2,0 (3 shared anchors), protected F,T,F,F,T,F (2);
                 3 rebuilt, ages 1, 2, 3 s
-    famY on e1: 2 lookups, prompt 64+36 = 100, hits 0+10 = 10, regret 0+1 = 1;
+    famY on e1 (every row with LoRA adapter loraY): 2 lookups, prompt 64+36 = 100, hits 0+10 = 10, regret 0+1 = 1;
                 4 evictions, share_degree 1,1,2,1 (1 shared), protected F,F,F,T (1); 1 rebuilt, age 4 s
+    tenants (cache_salt) of the lookups: famX t1, t1, t2, t2; famY t1, none (t1: prompt 364, hits 100)
     => prompt 1100, hits 510, evicted 10, shared ratio 0.4, protected ratio 0.3, rebuilt 4, regretful 4,
        wasted 4 x 16 = 64 (famX 48, famY 16); plus noise events, one sink_dropped (count 5) and one
        cache_admission_limited (count 7) on e0.
-run ``runB`` (policy family_protect, block size 32; engine e0)
+run ``runB`` (policy family_protect, block size 32; engine e0 on host h0)
     famX: 2 lookups, prompt 100+100, hits 80+90; 2 evictions, share 1,1, both protected; 1 rebuilt, age 2 s
     => prompt 200, hits 170, rate 0.85, evicted 2, shared ratio 0, protected ratio 1, rebuilt 1, wasted 32.
 Block ``HASH_STORY`` (runA, e0) lives sealed -> touched -> freed -> evicted -> rebuilt -> sealed: 6 events.
@@ -53,9 +54,13 @@ def meta(
     num_blocks: int = 1000,
     policy: str = "lru",
     version: int | str = S.SCHEMA_VERSION,
+    host: str | None = None,
+    dp_rank: int | None = None,
 ) -> dict[str, str]:
-    """Stream metadata as a sink sends it."""
+    """Stream metadata as a sink sends it (``host`` and ``dp_rank``, optional keys, only when given)."""
+    optional = {S.META_HOST: host, S.META_DP_RANK: None if dp_rank is None else str(dp_rank)}
     return {
+        **{k: v for k, v in optional.items() if v is not None},
         S.META_SCHEMA_VERSION: str(version),
         S.META_STREAM_ID: stream_id,
         S.META_ENGINE: engine,
@@ -165,7 +170,7 @@ def collector_files() -> Iterator[CollectorFiles]:
 
 
 def _rows_runA_e0() -> list[dict[str, Any]]:
-    base = {"run_id": "runA", "engine": "e0", "policy": "lru"}
+    base = {"run_id": "runA", "engine": "e0", "policy": "lru", "host": "h0", "dp_rank": 0}
     rows: list[dict[str, Any]] = []
     t = T0
 
@@ -175,7 +180,8 @@ def _rows_runA_e0() -> list[dict[str, Any]]:
         rows.append({**base, "ts_ns": t, "step": len(rows), **kw})
 
     for i, (p, h, c) in enumerate([(100, 0, 0), (200, 100, 1), (300, 150, 0), (400, 250, 2)]):
-        add(event="prefix_lookup", request_id=f"a{i}", family="famX", prompt_tokens=p, hit_tokens=h, count=c)
+        add(event="prefix_lookup", request_id=f"a{i}", family="famX", prompt_tokens=p, hit_tokens=h, count=c,
+            tenant="t1" if i < 2 else "t2")
     add(event="block_allocated", request_id="a0", block_id=1, family="famX")
     add(event="block_sealed", request_id="a0", block_id=1, block_hash=HASH_STORY, family="famX", depth=0)
     add(event="block_touched", request_id="a1", block_id=1, block_hash=HASH_STORY, family="famX", hit_count=1)
@@ -199,7 +205,7 @@ def _rows_runA_e0() -> list[dict[str, Any]]:
 
 
 def _rows_runA_e1() -> list[dict[str, Any]]:
-    base = {"run_id": "runA", "engine": "e1", "policy": "lru"}
+    base = {"run_id": "runA", "engine": "e1", "policy": "lru", "host": "h1", "dp_rank": 1, "lora": "loraY"}
     rows: list[dict[str, Any]] = []
     t = T0 + 500  # interleaves with e0 in time
 
@@ -209,7 +215,8 @@ def _rows_runA_e1() -> list[dict[str, Any]]:
         rows.append({**base, "ts_ns": t, "step": len(rows), **kw})
 
     for i, (p, h, c) in enumerate([(64, 0, 0), (36, 10, 1)]):
-        add(event="prefix_lookup", request_id=f"b{i}", family="famY", prompt_tokens=p, hit_tokens=h, count=c)
+        add(event="prefix_lookup", request_id=f"b{i}", family="famY", prompt_tokens=p, hit_tokens=h, count=c,
+            tenant="t1" if i == 0 else None)
     for i, (sd, pr) in enumerate(zip([1, 1, 2, 1], [False, False, False, True], strict=True)):
         add(event="block_evicted", block_id=30 + i, block_hash=2000 + i, family="famY", depth=i, share_degree=sd,
             protected=pr, age_ns=NS)
@@ -220,7 +227,7 @@ def _rows_runA_e1() -> list[dict[str, Any]]:
 
 
 def _rows_runB_e0() -> list[dict[str, Any]]:
-    base = {"run_id": "runB", "engine": "e0", "policy": "family_protect"}
+    base = {"run_id": "runB", "engine": "e0", "policy": "family_protect", "host": "h0", "dp_rank": 0}
     rows: list[dict[str, Any]] = []
     t = T0 + 10 * NS
 
@@ -254,9 +261,10 @@ class GoldenStream:
 
 def golden_streams() -> list[GoldenStream]:
     return [
-        GoldenStream(meta("sA0", "runA", "e0", block_size=16), _rows_runA_e0()),
-        GoldenStream(meta("sA1", "runA", "e1", block_size=16), _rows_runA_e1()),
-        GoldenStream(meta("sB0", "runB", "e0", block_size=32, policy="family_protect"), _rows_runB_e0()),
+        GoldenStream(meta("sA0", "runA", "e0", block_size=16, host="h0", dp_rank=0), _rows_runA_e0()),
+        GoldenStream(meta("sA1", "runA", "e1", block_size=16, host="h1", dp_rank=1), _rows_runA_e1()),
+        GoldenStream(meta("sB0", "runB", "e0", block_size=32, policy="family_protect", host="h0", dp_rank=0),
+                     _rows_runB_e0()),
     ]
 
 

@@ -8,7 +8,18 @@ from fastapi import APIRouter
 
 from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import ErrorBody, EvictionPage
-from kvfabric.api.params import CursorParam, EngineFilter, FamilyFilter, RunFilter, SinceNs, UntilNs, limit_query
+from kvfabric.api.params import (
+    CursorParam,
+    EngineFilter,
+    FamilyFilter,
+    HostFilter,
+    LoraFilter,
+    RunFilter,
+    SinceNs,
+    TenantFilter,
+    UntilNs,
+    limit_query,
+)
 
 router = APIRouter(tags=["evictions"])
 
@@ -25,10 +36,14 @@ def list_evictions(
     run: RunFilter = None,
     family: FamilyFilter = None,
     engine: EngineFilter = None,
+    host: HostFilter = None,
+    tenant: TenantFilter = None,
+    lora: LoraFilter = None,
     since_ns: SinceNs = None,
     until_ns: UntilNs = None,
     limit: Annotated[int, limit_query(1000)] = 1000,
 ) -> dict[str, object]:
     return runner.evictions(
-        run=run, family=family, engine=engine, since_ns=since_ns, until_ns=until_ns, limit=limit, cursor=cursor
+        run=run, family=family, engine=engine, since_ns=since_ns, until_ns=until_ns, limit=limit, cursor=cursor,
+        host=host, tenant=tenant, lora=lora,
     )

@@ -8,7 +8,16 @@ from fastapi import APIRouter, Query
 
 from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import ErrorBody, FamilyDetail, FamilyStats
-from kvfabric.api.params import MAX_TEXT, NoNul, PathText, RequiredRun, limit_query
+from kvfabric.api.params import (
+    MAX_TEXT,
+    HostFilter,
+    LoraFilter,
+    NoNul,
+    PathText,
+    RequiredRun,
+    TenantFilter,
+    limit_query,
+)
 
 router = APIRouter(tags=["families"])
 
@@ -24,8 +33,11 @@ def list_families(
     run: Annotated[str | None, Query(max_length=MAX_TEXT, description="run id; every run when omitted (slower)"),
                    NoNul] = None,
     limit: Annotated[int, limit_query(100)] = 100,
+    host: HostFilter = None,
+    tenant: TenantFilter = None,
+    lora: LoraFilter = None,
 ) -> list[dict[str, object]]:
-    return runner.families(run=run, limit=limit)
+    return runner.families(run=run, limit=limit, host=host, tenant=tenant, lora=lora)
 
 
 @router.get(

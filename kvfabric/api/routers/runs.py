@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from kvfabric.api.dependencies import Runner
 from kvfabric.api.models import Comparison, ErrorBody, RunInfo, RunSummary
-from kvfabric.api.params import NoNul, PathText, text_query
+from kvfabric.api.params import HostFilter, LoraFilter, NoNul, PathText, TenantFilter, text_query
 
 router = APIRouter(tags=["runs"])
 
@@ -22,10 +22,16 @@ def list_runs(runner: Runner) -> list[dict[str, object]]:
     "/runs/{run_id}/summary",
     response_model=RunSummary,
     responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}},
-    summary="Analytics summary of one run (docs/design.md §5)",
+    summary="Analytics summary of one run (docs/design.md §5), optionally of one host, tenant or LoRA adapter",
 )
-def run_summary(run_id: PathText, runner: Runner) -> dict[str, object]:
-    return runner.run_summary(run_id)
+def run_summary(
+    run_id: PathText,
+    runner: Runner,
+    host: HostFilter = None,
+    tenant: TenantFilter = None,
+    lora: LoraFilter = None,
+) -> dict[str, object]:
+    return runner.run_summary(run_id, host=host, tenant=tenant, lora=lora)
 
 
 @router.get(

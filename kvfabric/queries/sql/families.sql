@@ -1,5 +1,7 @@
--- families($run, $family, $min_wasted_tokens, $limit): per (run, family) analytics, most wasted prefill first.
--- $run NULL means every run (slower: pass a run on large databases).
+-- families($run, $family, $host, $tenant, $lora, $min_wasted_tokens, $limit): per (run, family) analytics, most
+-- wasted prefill first. $run NULL means every run (slower: pass a run on large databases). $host, $tenant
+-- (cache_salt), $lora: only the events of that host, tenant or LoRA adapter (NULL: any; rows of files older than
+-- schema 3 have none, so a filter leaves them out).
 -- A prefix_lookup row carries the family of its request; block rows carry the family of the request that sealed
 -- the block (docs/design.md §5). Ratios are 0 when the denominator is 0; mean_time_to_rebuild_s is NULL without rebuilds.
 -- One scan restricted to the three event types that matter, grouped by (run, family, engine) so the block size
@@ -23,6 +25,9 @@ WITH g AS (
     WHERE event IN ('prefix_lookup', 'block_evicted', 'block_rebuilt')
       AND ($run IS NULL OR run_id = $run)
       AND ($family IS NULL OR family = $family)
+      AND ($host IS NULL OR host = $host)
+      AND ($tenant IS NULL OR tenant = $tenant)
+      AND ($lora IS NULL OR lora = $lora)
     GROUP BY run_id, family, engine
 ),
 engine_bs AS (

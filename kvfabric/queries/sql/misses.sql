@@ -1,7 +1,9 @@
--- misses($run, $bucket_ns, $with_admissions): every admission's prompt tokens split into hit / evicted / novel /
--- uncacheable (docs/design.md §5, miss attribution), exactly, over the whole stored history of the run; returned
--- per run (level 'run'), per family ('family'), per time window of $bucket_ns from the run's first event
--- ('window'), and per admission ('admission', only when $with_admissions).
+-- misses($run, $host, $tenant, $lora, $bucket_ns, $with_admissions): every admission's prompt tokens split into hit /
+-- evicted / novel / uncacheable (docs/design.md §5, miss attribution), exactly, over the whole stored history of the
+-- run; returned per run (level 'run'), per family ('family'), per time window of $bucket_ns from the run's first event
+-- ('window'), and per admission ('admission', only when $with_admissions). $host, $tenant, $lora (NULL: any) keep
+-- the admissions (prefix_lookup rows) of that host, tenant or LoRA adapter; the engine's history they are judged
+-- against (which hashes it had cached) stays whole.
 --
 -- Per admission (one prefix_lookup row L of request r on engine e, prompt P, hit H, block size bs):
 --   hit          = least(H, P)
@@ -63,6 +65,9 @@ lookups AS (
     LEFT JOIN bs USING (engine)
     CROSS JOIN run_start
     WHERE e.run_id = $run AND e.event = 'prefix_lookup'
+      AND ($host IS NULL OR e.host = $host)
+      AND ($tenant IS NULL OR e.tenant = $tenant)
+      AND ($lora IS NULL OR e.lora = $lora)
 ),
 classified AS (
     SELECT

@@ -1,4 +1,6 @@
--- run_summary($run): the analytics contract of docs/design.md §5 for one run, one row.
+-- run_summary($run, $host, $tenant, $lora): the analytics contract of docs/design.md §5 for one run, one row; with
+-- $host, $tenant (cache_salt) or $lora set, of that run's events of that host, tenant or LoRA adapter only (the
+-- stream columns: block_size, engines, policies, sequence_gaps, first/last_ts_ns, of the host's streams).
 --   prompt_tokens, prefix_hit_tokens   sums over prefix_lookup rows
 --   evicted_blocks                     count of block_evicted
 --   shared_anchor_eviction_ratio       block_evicted with share_degree >= 2 / evicted
@@ -22,6 +24,9 @@ WITH g AS (
         count(age_ns) AS age_n
     FROM events
     WHERE run_id = $run
+      AND ($host IS NULL OR host = $host)
+      AND ($tenant IS NULL OR tenant = $tenant)
+      AND ($lora IS NULL OR lora = $lora)
     GROUP BY engine, event
 ),
 engine_bs AS (
@@ -36,7 +41,7 @@ run_streams AS (
         min(first_ts_ns) AS first_ts_ns,
         max(last_ts_ns) AS last_ts_ns
     FROM streams
-    WHERE run_id = $run
+    WHERE run_id = $run AND ($host IS NULL OR host = $host)
 ),
 t AS (
     SELECT g.*, coalesce(engine_bs.block_size, (SELECT block_size FROM run_streams), 0) AS block_size
