@@ -246,6 +246,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVFABRIC_ENGINE_ID", "label", "", "engine label, stable across restarts so metric labels stay bounded",
             field="engine_id", max_chars=P.MAX_LABEL_CHARS, default_note="<host>/dp<rank>",
             default_doc="`<host>/dp<rank>`"),
+    Setting("KVFABRIC_HOST", "label", "", "host name carried on every event (`host` column) and in the stream's "
+            "metadata, and the `<host>` of the default engine label", field="host", max_chars=P.MAX_LABEL_CHARS,
+            default_note="the machine's host name", default_doc="the machine's host name (`socket.gethostname()`)"),
     Setting("KVFABRIC_BATCH_EVENTS", "int", 4096, "a batch goes out every N events ...", field="batch_events",
             minimum=1, maximum=P.MAX_BATCH_ROWS - 1),  # (a batch may carry one more row: the report of lost events)
     Setting("KVFABRIC_FLUSH_MS", "int", 100, "... or every T ms, whichever comes first", field="flush_ms",

@@ -35,6 +35,7 @@ CASES: dict[str, tuple[str, Any, str]] = {
     "KVFABRIC_FAMILY_FROM_REQUEST_ID": ("true", True, "2"),
     "KVFABRIC_RUN_ID": ("  prod-a ", "prod-a", LONG),
     "KVFABRIC_ENGINE_ID": ("node-3/dp1", "node-3/dp1", LONG),
+    "KVFABRIC_HOST": (" gpu-node-7 ", "gpu-node-7", LONG),
     "KVFABRIC_BATCH_EVENTS": ("8192", 8192, str(P.MAX_BATCH_ROWS)),
     "KVFABRIC_FLUSH_MS": ("50", 50, "0.5"),
     "KVFABRIC_BUFFER_EVENTS": ("1000", 1000, "0"),

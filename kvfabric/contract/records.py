@@ -13,7 +13,8 @@ step's records in one C call). Its first item is the op code; layouts:
 ==============  =========================================================================================
 op              fields after the op code
 ==============  =========================================================================================
-``LOOKUP``      ts, step, request_id, family, prompt_tokens, num_blocks, hit_tokens, raw hashes from the hit on
+``LOOKUP``      ts, step, request_id, family, prompt_tokens, num_blocks, hit_tokens, raw hashes from the hit on,
+                tenant (the request's ``cache_salt``), lora (its LoRA adapter's name): None where it has none
 ``ADMITTED``    ts, step, request_id   (the lookup above was admitted: allocation succeeded)
 ``CANCELLED``   request_id             (the lookup above was not admitted: allocation returned None)
 ``ALLOCATED``   ts, step, request_id, block ids, victims   (``get_new_blocks``; each ref count is 1 after it;

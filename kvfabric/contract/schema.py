@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Event types (docs/design.md §4). Strings, not an enum, because they are stored and queried as text.
 PREFIX_LOOKUP = "prefix_lookup"
@@ -83,6 +83,11 @@ _FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
                           "eviction_candidates_ranked: candidates considered; prefix_lookup: regretful evictions"),
     ("age_ns", pa.int64(), "block_rebuilt: ns since its eviction; block_evicted: ns since its last use"),
     ("reason", pa.string(), "block_evicted: why the block lost its content: pressure, connector or reset"),
+    # schema 3: where an event comes from and whose it is (appended: older columns keep their positions)
+    ("host", pa.string(), "host name of the emitting machine (KVFABRIC_HOST, else socket.gethostname())"),
+    ("dp_rank", pa.int32(), "vLLM data-parallel rank of the emitting engine (0 without data parallelism)"),
+    ("tenant", pa.string(), "cache_salt of the request (or of the request that sealed the block); null: none"),
+    ("lora", pa.string(), "LoRA adapter name of the request (or of the request that sealed the block); null: none"),
 )
 
 EMIT_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _FIELDS)
@@ -110,6 +115,10 @@ META_BLOCK_SIZE = "kvfabric.block_size"
 META_NUM_BLOCKS = "kvfabric.num_blocks"
 META_POLICY = "kvfabric.policy"
 META_SETTINGS = "kvfabric.settings"  # JSON object of the settings in force (HookSettings.as_metadata)
+# Optional keys (absent from older hooks; not in REQUIRED_META): the per-stream constants of the ``host`` and
+# ``dp_rank`` columns, stamped on every row by the expander.
+META_HOST = "kvfabric.host"  # host name (KVFABRIC_HOST, else socket.gethostname()); = protocol.META_HOST
+META_DP_RANK = "kvfabric.dp_rank"  # vLLM data-parallel rank, decimal
 REQUIRED_META: tuple[str, ...] = (
     META_SCHEMA_VERSION,
     META_STREAM_ID,

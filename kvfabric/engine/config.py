@@ -38,6 +38,7 @@ class HookSettings:
     policy_model: str = ""  # KVFABRIC_POLICY_MODEL: the learned policy's model file ("" = the built-in default)
     native: bool = True  # KVFABRIC_NATIVE=0: the Python code even where the compiled parts are built
     engine_id: str = ""  # KVFABRIC_ENGINE_ID ("" = <host>/dp<rank>)
+    host: str = ""  # KVFABRIC_HOST ("" = socket.gethostname())
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -132,6 +133,7 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
         family_depth=get("KVFABRIC_FAMILY_DEPTH"),  # type: ignore[arg-type]
         run_id=get("KVFABRIC_RUN_ID"),  # type: ignore[arg-type]
         engine_id=get("KVFABRIC_ENGINE_ID"),  # type: ignore[arg-type]
+        host=get("KVFABRIC_HOST"),  # type: ignore[arg-type]
         batch_events=get("KVFABRIC_BATCH_EVENTS"),  # type: ignore[arg-type]
         flush_ms=get("KVFABRIC_FLUSH_MS"),  # type: ignore[arg-type]
         buffer_events=get("KVFABRIC_BUFFER_EVENTS"),  # type: ignore[arg-type]

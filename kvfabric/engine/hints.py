@@ -5,12 +5,17 @@ Hints travel in ``SamplingParams.extra_args`` (``vllm_xargs`` on the OpenAI serv
 ``request.session_id`` stands in when absent), ``kvfabric_session_end`` says this is the conversation's last turn.
 Read on vLLM's scheduler thread from vLLM's ``Request`` objects (duck-typed: any object with those attributes);
 what a policy sees of them is a :class:`~kvfabric.policies.base.RequestInfo`.
+
+Whose a request is (:func:`owner`): vLLM's own ``cache_salt`` (the tenant: vLLM salts the request's first block hash
+with it) and its LoRA adapter's name (``lora_request.lora_name``, also part of vLLM's block hashes), read once per
+admission attempt for its ``LOOKUP`` record.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvfabric.contract.protocol import MAX_LABEL_CHARS
 from kvfabric.policies.base import RequestInfo
 
 
@@ -52,3 +57,15 @@ def named_family(request: Any, from_request_id: bool = False) -> str | None:
         if "/" in rid:
             return rid.split("/", 1)[0]
     return None
+
+
+def owner(request: Any) -> tuple[str | None, str | None]:
+    """``(tenant, lora)`` of ``request``: its ``cache_salt`` (None when it has none, or an empty one, which vLLM does
+    not hash either) and its LoRA adapter's name (None without an adapter). Each is cut to
+    :data:`~kvfabric.contract.protocol.MAX_LABEL_CHARS` characters: the collector refuses a whole batch over a
+    string longer than its cap, and a client chooses its salt."""
+    salt = getattr(request, "cache_salt", None)
+    tenant = None if not salt else str(salt)[:MAX_LABEL_CHARS]
+    lora_request = getattr(request, "lora_request", None)
+    name = None if lora_request is None else getattr(lora_request, "lora_name", None)
+    return tenant, None if name is None else str(name)[:MAX_LABEL_CHARS]

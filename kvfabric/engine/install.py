@@ -41,15 +41,40 @@ from kvfabric.engine.steering.attach import attach_steering
 log = logging.getLogger("kvfabric.engine")
 
 
-def engine_id(scheduler: Any, explicit: str | None = None) -> str:
+def host_name(explicit: str | None = None) -> str:
+    """``explicit`` (else ``KVFABRIC_HOST``, read through the settings table) or the machine's host name: the
+    stream's ``host`` (every event's ``host`` column)."""
+    if explicit is None:
+        explicit = str(table.read("KVFABRIC_HOST"))
+    return explicit or socket.gethostname()
+
+
+def dp_rank_of(scheduler: Any) -> int:
+    """vLLM's data-parallel rank of the engine owning ``scheduler`` (0 without data parallelism or a scheduler).
+
+    ``parallel_config.data_parallel_index`` where vLLM has it: it equals ``data_parallel_rank`` except for the
+    dense models whose engines vLLM runs as independent ranks, where it resets ``data_parallel_rank`` to 0 on
+    every engine but keeps the index (vllm/config/parallel.py)."""
+    parallel = getattr(scheduler, "parallel_config", None)
+    if parallel is None:
+        vllm_config = getattr(scheduler, "vllm_config", None)
+        parallel = getattr(vllm_config, "parallel_config", None)
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        rank = getattr(parallel, name, None)
+        if isinstance(rank, int) and rank >= 0:
+            return rank
+    return 0
+
+
+def engine_id(scheduler: Any, explicit: str | None = None, host: str | None = None) -> str:
     """``explicit`` (else ``KVFABRIC_ENGINE_ID``, read through the settings table, which checks the collector's
-    label limits) or ``<host>/dp<rank>``: stable across restarts so metric labels stay bounded."""
+    label limits) or ``<host>/dp<rank>`` (``host``: else :func:`host_name`): stable across restarts so metric
+    labels stay bounded."""
     if explicit is None:
         explicit = str(table.read("KVFABRIC_ENGINE_ID"))
     if explicit:
         return explicit
-    rank = getattr(getattr(scheduler, "parallel_config", None), "data_parallel_rank", 0) or 0
-    return f"{socket.gethostname()}/dp{rank}"
+    return f"{host or host_name()}/dp{dp_rank_of(scheduler)}"
 
 
 def evicted_memory_for(num_blocks: int) -> int:
@@ -60,13 +85,16 @@ def evicted_memory_for(num_blocks: int) -> int:
 
 
 def stream_metadata(
-    settings: HookSettings, *, engine: str, policy: str, block_size: int, num_blocks: int, null_block: int = 0
+    settings: HookSettings, *, engine: str, policy: str, block_size: int, num_blocks: int, null_block: int = 0,
+    dp_rank: int = 0,
 ) -> dict[str, str]:
     """The metadata every event stream starts with (docs/design.md §4); the one place it is written. Besides the
-    keys of :mod:`kvfabric.contract.schema`, it names this process (host, pid) and KVFabric's version, which the
-    collector shows in its list of engines (kvfabric/contract/protocol.py)."""
+    keys of :mod:`kvfabric.contract.schema` (the host, ``settings.host`` or the machine's, and ``dp_rank``: every
+    row's ``host`` and ``dp_rank``), it names this process (pid) and KVFabric's version, which the collector shows
+    in its list of engines (kvfabric/contract/protocol.py)."""
     return {
-        P.META_HOST: socket.gethostname(),
+        S.META_HOST: host_name(settings.host),
+        S.META_DP_RANK: str(dp_rank),
         P.META_PID: str(os.getpid()),
         P.META_KVFABRIC_VERSION: kvfabric.__version__,
         S.META_SCHEMA_VERSION: str(S.SCHEMA_VERSION),
@@ -150,7 +178,7 @@ def build_hook(
     null_block = int(getattr(getattr(pool, "null_block", None), "block_id", 0) or 0)
     policy_name = getattr(policy, "name", None) or settings.policy
     metadata = stream_metadata(settings, engine=engine, policy=policy_name, block_size=block_size,
-                               num_blocks=num_blocks, null_block=null_block)
+                               num_blocks=num_blocks, null_block=null_block, dp_rank=dp_rank_of(scheduler))
     recorder = Recorder(settings, recording=settings.lifecycle, block_size=block_size, clock=clock or time.time_ns)
     out = make_outlet(outlet, settings, metadata)
     installation = Installation(recorder, out, metadata, num_blocks, block_size)
@@ -181,4 +209,5 @@ def install(scheduler: Any, settings: HookSettings) -> Installation | None:
     manager = getattr(scheduler, "kv_cache_manager", None)
     if manager is None:
         return None
-    return build_hook(manager, settings, scheduler=scheduler, engine=engine_id(scheduler, settings.engine_id))
+    return build_hook(manager, settings, scheduler=scheduler,
+                      engine=engine_id(scheduler, settings.engine_id, host_name(settings.host)))

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvfabric.contract import records as R
 from kvfabric.engine import signature
+from kvfabric.engine.hints import owner
 from kvfabric.engine.recorder import Recorder
 
 
@@ -44,8 +45,10 @@ def wrap_manager(manager: Any, r: Recorder) -> None:
                 hashes = request.block_hashes
                 # The hashes the lookup wanted past its hit (a C-level slice): the expander finds regretful
                 # evictions among them before this allocation seals, and so rebuilds, them.
+                # Whose the request is (tenant, LoRA): read here, once per admission attempt; the expander gives
+                # its rows, and the blocks it seals, these.
                 r.add((R.LOOKUP, r.clock(), r.step, request.request_id, r.family_of(request),
-                       request.num_prompt_tokens, len(hashes), hit, hashes[hit // r.block_size:]))
+                       request.num_prompt_tokens, len(hashes), hit, hashes[hit // r.block_size:], *owner(request)))
         except Exception:
             r.failed("recording a lookup")
             recording = False

@@ -76,6 +76,8 @@ class StreamState:
     duplicates: int = 0  # batches received again after they were committed (not stored twice)
     refused_batches: int = 0  # batches refused for their content (counted, not stored)
     refused_rows: int = 0
+    host: str | None = None  # metadata kvfabric.host (absent from older hooks)
+    dp_rank: int | None = None  # metadata kvfabric.dp_rank (absent from older hooks)
 
 
 STREAMS_SCHEMA = pa.schema(
@@ -103,9 +105,12 @@ STREAMS_SCHEMA = pa.schema(
         ("duplicates", pa.int64()),
         ("refused_batches", pa.int64()),
         ("refused_rows", pa.int64()),
+        ("host", pa.string()),
+        ("dp_rank", pa.int32()),
     ]
 )
 _ADDED_STREAM_COLUMNS = ("duplicates", "refused_batches", "refused_rows")  # absent from files of the first release
+_ADDED_STREAM_METADATA = ("host", "dp_rank")  # absent from files before schema 3 (null there: not known)
 assert [f.name for f in STREAMS_SCHEMA] == [f.name for f in fields(StreamState)]
 
 
@@ -122,6 +127,10 @@ class IncompatibleDatabase(RuntimeError):
 # only ever appended, so an upgraded ``events`` has exactly the column order a new file gets.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ('ALTER TABLE events ADD COLUMN IF NOT EXISTS "reason" VARCHAR',),  # schema 2: block_evicted.reason
+    2: tuple(  # schema 3: where an event comes from and whose it is
+        f"ALTER TABLE events ADD COLUMN IF NOT EXISTS {quote(name)} {_DUCKDB_TYPES[S.EVENT_SCHEMA.field(name).type]}"
+        for name in ("host", "dp_rank", "tenant", "lora")
+    ),
 }
 
 
@@ -190,6 +199,9 @@ def _prepare(con: duckdb.DuckDBPyConnection, path: str, checkpoint_threshold: st
     con.execute(streams_ddl())
     for name in _ADDED_STREAM_COLUMNS:
         con.execute(f"ALTER TABLE streams ADD COLUMN IF NOT EXISTS {quote(name)} BIGINT DEFAULT 0")
+    for name in _ADDED_STREAM_METADATA:
+        kind = _DUCKDB_TYPES[STREAMS_SCHEMA.field(name).type]
+        con.execute(f"ALTER TABLE streams ADD COLUMN IF NOT EXISTS {quote(name)} {kind}")
 
 
 def load_streams(con: duckdb.DuckDBPyConnection) -> dict[str, StreamState]:

@@ -96,6 +96,8 @@ class StreamMeta:
     vllm_version: str | None = None
     settings: str | None = None  # JSON text, as sent
     protocol: int = 1  # metadata kvfabric.protocol: 2 = the collector acknowledges commits (contract/protocol.py)
+    host: str | None = None  # metadata kvfabric.host (optional: absent from older hooks)
+    dp_rank: int | None = None  # metadata kvfabric.dp_rank (optional)
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,15 @@ def parse_stream_meta(schema: pa.Schema) -> StreamMeta:
             json.loads(settings)
         except ValueError as e:
             raise BadStream(SCHEMA_MISMATCH, f"metadata {S.META_SETTINGS} is not JSON") from e
+    raw_rank = meta.get(S.META_DP_RANK)
+    dp_rank = None
+    if raw_rank:
+        try:
+            dp_rank = int(raw_rank)
+        except ValueError as e:
+            raise BadStream(SCHEMA_MISMATCH, f"metadata {S.META_DP_RANK}={raw_rank[:40]!r} is not an integer") from e
+        if not 0 <= dp_rank < 2**31:
+            raise BadStream(SCHEMA_MISMATCH, f"metadata {S.META_DP_RANK}={dp_rank} is out of range")
     return StreamMeta(
         stream_id=meta[S.META_STREAM_ID],
         engine=meta[S.META_ENGINE],
@@ -212,6 +223,8 @@ def parse_stream_meta(schema: pa.Schema) -> StreamMeta:
         vllm_version=meta.get(S.META_VLLM_VERSION) or None,
         settings=settings,
         protocol=protocol,
+        host=meta.get(S.META_HOST) or None,
+        dp_rank=dp_rank,
     )
 
 

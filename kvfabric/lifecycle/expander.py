@@ -16,7 +16,13 @@ Invariants:
     reuse it (our digest is its identity: vLLM's own hash is already gone), so ``block_evicted`` comes first;
   * ``evicted`` remembers at most ``evicted_memory`` digests (oldest forgotten first): rebuilt detection is exact
     within that horizon, and the collector can recompute it over the whole history in SQL;
-  * a regretful eviction is counted once: the first admitted lookup within the window that wanted it.
+  * a regretful eviction is counted once: the first admitted lookup within the window that wanted it;
+  * ``host`` and ``dp_rank`` are the stream's (its metadata), on every row; ``tenant`` and ``lora`` are the
+    request's (its ``LOOKUP`` record), on its request-level rows and its allocations, and a block's are those of
+    the request that sealed it (vLLM's block hash includes both, so every request that hits the block has the
+    same): on its sealed, rebuilt, touched, freed and evicted rows (an unsealed block's touched and freed rows
+    take their request's); null where no request is known (a reset, a loss, a request whose lookup this expander
+    did not see).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from kvfabric.lifecycle.side_table import SideTable
 hash64 = S.hash64
 hash64_all = S.hash64_all
 
+_NO_OWNER: tuple[None, None] = (None, None)
+"""(tenant, lora) of a request that has neither, or of a row no request owns."""
+
 
 class Expander:
     """Applies call records to the side table and emits event rows through ``emit`` (``list.append``-like)."""
@@ -49,10 +58,14 @@ class Expander:
         null_block: int = 0,
         evicted_memory: int = 1_000_000,
         regret_window_s: float = 60.0,
+        host: str | None = None,
+        dp_rank: int | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.engine = engine
         self.run_id = run_id
+        self.host = host
+        self.dp_rank = dp_rank
         self.policy = policy
         self.emit = emit
         #: Whether rows are emitted: the keeper sets False, and the handlers then skip building them (the keeper
@@ -71,6 +84,10 @@ class Expander:
         self.evicted: OrderedDict[int, list[Any]] = OrderedDict()
         # request id -> (regret candidates, family, prompt tokens, blocks, hit tokens) of its open lookup
         self.pending: dict[str, tuple[list[list[Any]], str | None, int, int, int]] = {}
+        # request id -> (tenant, lora) of each live request (from its lookup until its DONE)
+        self.owners: dict[str, tuple[str | None, str | None]] = {}
+        # block id -> (tenant, lora) of the request that sealed the block (None: not sealed, or by an unknown one)
+        self.block_owner: list[tuple[str | None, str | None] | None] = [None] * num_blocks
         # vLLM's ref count of each block as the records tell it (sealing calls carry none: it is this one)
         self.refs: list[int] = [0] * num_blocks
         self.events = 0  # rows emitted
@@ -111,25 +128,36 @@ class Expander:
     def _row(self, ts: int, step: int | None, event: str, request_id: str | None = None, *,
              family: str | None = None, depth: int | None = None, prompt_tokens: int | None = None,
              hit_tokens: int | None = None, retain_score: float | None = None, protected: bool | None = None,
-             count: int | None = None) -> None:
+             count: int | None = None, owner: tuple[str | None, str | None] | None = None) -> None:
+        """A row of no block; ``owner``: the request's (tenant, lora) (default: that of ``request_id``)."""
+        if owner is None:
+            owner = self.owners.get(request_id, _NO_OWNER)  # type: ignore[arg-type]
         self.events += 1
         self.emit((ts, step, self.engine, self.run_id, event, request_id, None, None, None, family, depth, None,
                    None, None, None, prompt_tokens, hit_tokens, retain_score, protected, self.policy, count, None,
-                   None))
+                   None, self.host, self.dp_rank, *owner))
 
     def _block_row(self, ts: int, step: int, event: str, b: int, ref_count: int, request_id: str | None,
                    age_ns: int | None = None, reason: str | None = None) -> None:
+        """A row of block ``b``, with the owner of its content; an unsealed block's (touched, freed) is the
+        request's at hand. An evicted block's is never the evicting request's (``reason`` is set only there)."""
         t = self.table
+        owner = self.block_owner[b]
+        if owner is None:
+            owner = _NO_OWNER if reason is not None else self.owners.get(request_id, _NO_OWNER)  # type: ignore[arg-type]
         self.events += 1
         self.emit((ts, step, self.engine, self.run_id, event, request_id, b, t.hash[b], t.parent[b], t.family[b],
                    t.depth[b], ref_count, t.hits[b], t.share[b], t.branch[b], None, None, t.score[b],
-                   t.protected[b], self.policy, None, age_ns, reason))
+                   t.protected[b], self.policy, None, age_ns, reason, self.host, self.dp_rank, *owner))
 
     def _allocated_row(self, ts: int, step: int, b: int, request_id: str | None) -> None:
-        # A fresh block has no identity yet: only its id and its ref count (1 after get_new_blocks) are known.
+        # A fresh block has no identity yet: only its id, its ref count (1 after get_new_blocks) and the request
+        # it was handed to (whose tenant and LoRA it now serves) are known.
+        owner = self.owners.get(request_id, _NO_OWNER)  # type: ignore[arg-type]
         self.events += 1
         self.emit((ts, step, self.engine, self.run_id, S.BLOCK_ALLOCATED, request_id, b, None, None, None, None, 1,
-                   None, None, None, None, None, None, None, self.policy, None, None, None))
+                   None, None, None, None, None, None, None, self.policy, None, None, None, self.host, self.dp_rank,
+                   *owner))
 
     def _forget(self, b: int, ts: int) -> None:
         """Remember block ``b``'s digest as evicted at ``ts`` (for rebuilt and regret detection)."""
@@ -143,12 +171,14 @@ class Expander:
 
     def dropped_row(self, count: int, ts: int) -> tuple:
         """A ``sink_dropped`` row for ``count`` lost events."""
-        return (ts, None, self.engine, self.run_id, S.SINK_DROPPED, *([None] * 14), self.policy, count, None, None)
+        return (ts, None, self.engine, self.run_id, S.SINK_DROPPED, *([None] * 14), self.policy, count, None, None,
+                self.host, self.dp_rank, None, None)
 
     # ---- handlers ----------------------------------------------------------------------------------------------
 
     def _lookup(self, rec: tuple) -> None:
-        _, ts, _step, rid, family, prompt, nblocks, hit, hashes = rec
+        _, ts, _step, rid, family, prompt, nblocks, hit, hashes, tenant, lora = rec
+        self.owners[rid] = _NO_OWNER if tenant is None and lora is None else (tenant, lora)
         found: list[list[Any]] = []
         evicted = self.evicted
         if evicted and hashes:
@@ -175,7 +205,7 @@ class Expander:
                   hit_tokens=hit, count=regretful)
 
     def _cancelled(self, rec: tuple) -> None:
-        self.pending.pop(rec[1], None)
+        self.pending.pop(rec[1], None)  # (its owner stays: the request asks again, or is freed)
 
     def _evict(self, b: int, ts: int, step: int, rid: str | None, reason: str, ref: int = 0) -> None:
         """Block ``b`` lost its cached content: ``block_evicted``, the digest remembered, the entry reset."""
@@ -183,6 +213,7 @@ class Expander:
         if self.rows:
             self._block_row(ts, step, S.BLOCK_EVICTED, b, ref, rid, ts - t.last_use[b], reason)
             self._forget(b, ts)
+            self.block_owner[b] = None
         t.reset(b)
 
     def _allocated(self, rec: tuple) -> None:
@@ -258,6 +289,7 @@ class Expander:
             prev_id = b
             if not rows:
                 continue
+            self.block_owner[b] = self.owners.get(rid)  # type: ignore[arg-type]
             ref = refs[b]
             self._block_row(ts, step, S.BLOCK_SEALED, b, ref, rid)
             entry = evicted.pop(h, None) if evicted else None  # type: ignore[arg-type]
@@ -284,6 +316,9 @@ class Expander:
             column = getattr(t, name)
             column[dst] = column[src]
         t.reset(src)
+        if self.rows:
+            self.block_owner[dst] = self.block_owner[src]
+            self.block_owner[src] = None
 
     def _reset(self, rec: tuple) -> None:
         """Every cached block is dropped: one ``block_evicted`` (reason ``reset``) each, then ``cache_reset``.
@@ -295,9 +330,12 @@ class Expander:
             self._evict(b, ts, step, None, S.EVICT_RESET)
         self._row(ts, step, S.CACHE_RESET, count=self.num_blocks)
         self.table.clear()
+        if self.rows:
+            self.block_owner = [None] * self.num_blocks
 
     def _done(self, rec: tuple) -> None:
         self.pending.pop(rec[1], None)
+        self.owners.pop(rec[1], None)
 
     def _limited(self, rec: tuple) -> None:
         _, ts, step, rid, family, n = rec
@@ -333,4 +371,6 @@ def expander_from_metadata(metadata: dict[str, str], emit: Any) -> Expander:
         null_block=int(extra.get("null_block", 0)),
         evicted_memory=int(extra.get("evicted_memory", 1_000_000)),
         regret_window_s=float(extra.get("regret_window_s", 60.0)),
+        host=metadata.get(S.META_HOST) or None,
+        dp_rank=int(metadata[S.META_DP_RANK]) if metadata.get(S.META_DP_RANK) else None,
     )

@@ -328,7 +328,7 @@ def test_cli_answers_equal_rest(recorded: Recorded, capsys: pytest.CaptureFixtur
 def test_a_schema_1_file_is_upgraded_in_place(tmp_path: Path) -> None:
     path = str(tmp_path / "old.duckdb")
     con = duckdb.connect(path)
-    old_columns = [c for c in S.COLUMNS if c != "reason"]
+    old_columns = list(S.COLUMNS[:S.COLUMNS.index("reason")])  # (schema 1: the columns before reason)
     types = {f.name: {"int64": "BIGINT", "int32": "INTEGER", "string": "VARCHAR", "double": "DOUBLE",
                       "bool": "BOOLEAN"}[str(f.type)] for f in S.EVENT_SCHEMA}
     con.execute("CREATE TABLE kvfabric_meta (key VARCHAR, value VARCHAR)")
@@ -346,7 +346,7 @@ def test_a_schema_1_file_is_upgraded_in_place(tmp_path: Path) -> None:
     upgraded = open_database(path)
     try:
         cols = [r[0] for r in upgraded.execute("DESCRIBE events").fetchall()]
-        assert cols == list(S.COLUMNS)  # the new column is last, as in a new file
+        assert cols == list(S.COLUMNS)  # the new columns are last, in order, as in a new file
         assert upgraded.execute("SELECT value FROM kvfabric_meta").fetchall() == [(str(S.SCHEMA_VERSION),)]
         assert upgraded.execute("SELECT block_hash, reason FROM events").fetchall() == [(7, None)]
     finally:
