@@ -2,7 +2,8 @@
 
 Built from the "Collector health" metrics of docs/metrics.md plus Prometheus' own per-target series (``up``,
 ``scrape_duration_seconds``, ``scrape_samples_scraped``) for the collector's job. Every collector of a fleet is a
-scrape target, so the ``$instance`` variable picks collectors.
+scrape target, one per host, so the ``$host`` variable (Prometheus' ``instance`` label) picks collectors; ``$engine``
+narrows the per-engine loss panels (sink drops) to engines of those hosts.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ from kvfabric_dashboards.common import (
     Target,
     base_dashboard,
     dashboard_link,
-    query_variable,
+    engine_variable,
+    host_variable,
     row,
     stat_panel,
     timeseries_panel,
 )
 
-H = 'instance=~"$instance"'
+H = 'instance=~"$host"'
+E = 'engine=~"$engine"'
 RATE = "$__rate_interval"
 RANGE = "$__range"
 
 
 def h(metric: str, extra: str = "") -> str:
-    """``metric{instance=~"$instance"<extra>}``."""
+    """``metric{instance=~"$host"<extra>}``."""
     return f"{metric}{{{H}{', ' + extra if extra else ''}}}"
 
 
@@ -51,10 +54,8 @@ def build_collector_health() -> Dashboard:
         "bad streams, open streams, writer backlog and database size.",
     )
     d = (
-        d.with_variable(query_variable(
-            "instance", "Collector", f"label_values(up{{{JOB}}}, instance)",
-            description="Collector scrape targets (one collector per vLLM host, or shared by several engines)",
-        ))
+        d.with_variable(host_variable())
+        .with_variable(engine_variable(of_runs=False))
         .link(dashboard_link("KVFabric dashboards", "kvfabric"))
     )
 
@@ -78,7 +79,7 @@ def build_collector_health() -> Dashboard:
         ids, "Events lost by sinks", "Events the hooks' sinks dropped since the collector started (collector "
         "slow or down; kvfabric_sink_dropped_events_total). Should be 0. A lifetime total on purpose: a run's "
         "counter is born with its first drops, which increase() over a range would not count.",
-        Target(f"sum({h('kvfabric_sink_dropped_events_total')}) or vector(0)"), decimals=0,
+        Target(f"sum({h('kvfabric_sink_dropped_events_total', E)}) or vector(0)"), decimals=0,
         thresholds=((None, "green"), (1, "red")),
     ))
     d = d.with_panel(stat_panel(
@@ -146,7 +147,7 @@ def build_collector_health() -> Dashboard:
         "the collector started, from its sink_dropped rows (kvfabric_sink_dropped_events_total); empty when "
         "nothing was ever dropped. Cumulative on purpose: a run's counter is born with its first drops, which a "
         "rate() would show as 0.",
-        [Target(f"sum by (run, engine) ({h('kvfabric_sink_dropped_events_total')})", "{{run}} {{engine}}")],
+        [Target(f"sum by (run, engine) ({h('kvfabric_sink_dropped_events_total', E)})", "{{run}} {{engine}}")],
         unit="short",
     ))
     d = d.with_panel(timeseries_panel(

@@ -91,6 +91,29 @@ def query_variable(name: str, label: str, query: str, *, description: str, inclu
     return var
 
 
+HOST_VAR = "host"
+ENGINE_VAR = "engine"
+
+
+def host_variable() -> dashboard.QueryVariable:
+    """``$host``: the collector scrape targets (Prometheus' ``instance`` label). The collector's metrics have no host
+    label; a fleet runs one collector per host, so a target stands for its host."""
+    return query_variable(
+        HOST_VAR, "Host", f'label_values(up{{job="{COLLECTOR_JOB}"}}, instance)',
+        description="Host, as its collector's scrape target (one collector per vLLM host; engines that share a "
+                    "collector share its host)",
+    )
+
+
+def engine_variable(*, of_runs: bool) -> dashboard.QueryVariable:
+    """``$engine``: KVFabric's ``engine`` label on the selected hosts (and runs, ``of_runs``: a ``$run`` variable)."""
+    selector = 'instance=~"$host", run=~"$run"' if of_runs else 'instance=~"$host"'
+    return query_variable(
+        ENGINE_VAR, "Engine", f"label_values(kvfabric_events_total{{{selector}}}, engine)",
+        description="KVFabric engine label: KVFABRIC_ENGINE_ID or <host>/dp<rank>, on the selected hosts",
+    )
+
+
 def _targets(targets: Sequence[Target]) -> list[cogbuilder.Builder[prometheus.Dataquery]]:
     out: list[cogbuilder.Builder[prometheus.Dataquery]] = []
     for index, t in enumerate(targets):

@@ -12,6 +12,9 @@ aggregate signals (events by type, rebuilt, regretful, wasted prefill per run an
 
 vLLM labels its metrics ``model_name`` and ``engine`` (the engine *index*, "0", "1"...), which is not KVFabric's
 ``engine`` label (``<host>/dp<rank>``): vLLM panels are filtered by ``$model`` instead.
+
+``$host``: the collector's metrics carry no host label; a fleet runs one collector per host, so the host is the
+collector's scrape target (Prometheus' ``instance`` label), and ``$engine`` lists the engines of the selected hosts.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from kvfabric_dashboards.common import (
     Target,
     base_dashboard,
     dashboard_link,
+    engine_variable,
+    host_variable,
     markdown_panel,
     query_variable,
     row,
@@ -36,8 +41,9 @@ from kvfabric_dashboards.common import (
     url_link,
 )
 
-KV = 'run=~"$run", engine=~"$engine"'
-"""Selector of every KVFabric analytics query (both labels are bounded: docs/metrics.md)."""
+KV = 'run=~"$run", engine=~"$engine", instance=~"$host"'
+"""Selector of every KVFabric analytics query (``run`` and ``engine`` are bounded: docs/metrics.md; ``instance`` is
+the collector's scrape target, one per host)."""
 VLLM = 'model_name=~"$model"'
 """Selector of every vLLM query."""
 RATE = "$__rate_interval"
@@ -174,14 +180,13 @@ def build_overview() -> Dashboard:
         "own KV usage, latency and preemption metrics.",
     )
     d = (
-        d.with_variable(query_variable(
-            "run", "Run", "label_values(kvfabric_events_total, run)",
-            description="KVFABRIC_RUN_ID of the runs seen by the collector (beyond 64 runs: _other)",
-        ))
+        d.with_variable(host_variable())
         .with_variable(query_variable(
-            "engine", "Engine", 'label_values(kvfabric_events_total{run=~"$run"}, engine)',
-            description="KVFabric engine label: KVFABRIC_ENGINE_ID or <host>/dp<rank>",
+            "run", "Run", 'label_values(kvfabric_events_total{instance=~"$host"}, run)',
+            description="KVFABRIC_RUN_ID of the runs seen by the collectors of the selected hosts (beyond 64 runs "
+                        "per collector: _other)",
         ))
+        .with_variable(engine_variable(of_runs=True))
         .with_variable(query_variable(
             "model", "vLLM model", "label_values(vllm:num_requests_running, model_name)",
             description="vLLM's model_name label (vLLM panels only; vLLM has no run label)",

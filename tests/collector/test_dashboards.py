@@ -250,6 +250,34 @@ def test_overview_has_a_panel_for_every_design_definition() -> None:
                 assert f'{metric}{{model_name=~"$model"}}' in target["expr"], target["expr"]
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in JSON_DIR.glob("*.json")))
+def test_host_and_engine_variables_exist_and_scope_the_queries(name: str) -> None:
+    """Every dashboard picks hosts (collector scrape targets: one collector per host) and engines, and every query of
+    the collector's metrics is scoped by the host; per-engine series also by the engine."""
+    d = _dashboards()[name]
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    host, engine = variables["host"], variables["engine"]
+    assert host["type"] == "query" and host["query"] == 'label_values(up{job="kvfabric-collector"}, instance)'
+    assert engine["type"] == "query" and engine["query"].startswith('label_values(kvfabric_events_total{instance=~'
+                                                                    '"$host"')
+    assert engine["query"].endswith(", engine)")
+    names = list(variables)
+    assert names.index("host") < names.index("engine"), "engine's values depend on the host: host first"
+    per_engine = {"kvfabric_events_total", "kvfabric_sink_dropped_events_total", "kvfabric_prompt_tokens_total"}
+    scoped = engine_scoped = 0
+    for panel, target in _targets(d):
+        for metric in _selector_metrics(target["expr"]):
+            if not metric.startswith("kvfabric_") and metric not in PROMETHEUS_SYNTHETIC:
+                continue
+            for selector in re.findall(re.escape(metric) + r"\{([^}]*)\}", target["expr"]):
+                assert 'instance=~"$host"' in selector, (panel["title"], target["expr"])
+                scoped += 1
+                if metric in per_engine:
+                    assert 'engine=~"$engine"' in selector, (panel["title"], target["expr"])
+                    engine_scoped += 1
+    assert scoped >= 10 and engine_scoped >= 1
+
+
 def test_collector_dashboard_covers_collector_health() -> None:
     d = _dashboards()["kvfabric-collector.json"]
     exprs = " ".join(t["expr"] for _, t in _targets(d))

@@ -533,7 +533,7 @@ def _grafana_variables(stack: Stack, run: str = ".*", engine: str = ".*") -> dic
     """What Grafana would send: "All" is the regex ``.*`` (allValue); windows cover the whole test."""
     window = stack.window()
     return {
-        "run": run, "engine": engine, "model": ".*", "instance": ".*",
+        "run": run, "engine": engine, "model": ".*", "host": ".*",
         "__rate_interval": window, "__range": window, "__interval": "1s",
         "collector_url": stack.collector_url,
     }
@@ -609,13 +609,13 @@ def test_sink_drop_panels_show_the_hooks_loss(stack: Stack) -> None:
         for run, engine, expected in ((DROPS_RUN, DROPS_ENGINE, lost), (MAIN_RUN, MAIN_ENGINE, 0)):
             expr = substitute(q.expr, _grafana_variables(stack, run=grafana_regex_escape(run),
                                                         engine=grafana_regex_escape(engine)))
-            if "$run" not in q.expr:  # the collector dashboard: every run of the collector
+            if "$run" not in q.expr and "$engine" not in q.expr:  # every run and engine of the collector
                 expected = lost
             assert stack.prom.value(expr) == expected, (q.dashboard, run, expr)
 
 
 def test_template_variables_list_the_runs_engines_and_models(stack: Stack) -> None:
-    """The label_values() queries behind $run, $engine, $model and $instance, as Grafana runs them."""
+    """The label_values() queries behind $run, $engine, $model and $host, as Grafana runs them."""
     found: dict[str, list[str]] = {}
     for d in _dashboards():
         for var in d["templating"]["list"]:
@@ -630,7 +630,7 @@ def test_template_variables_list_the_runs_engines_and_models(stack: Stack) -> No
     assert {MAIN_RUN, DROPS_RUN} <= set(found["run"])
     assert {MAIN_ENGINE, DROPS_ENGINE} <= set(found["engine"])
     assert len(found["model"]) == 1 and found["model"][0]  # vLLM's served model name
-    assert found["instance"]  # the collector target
+    assert found["host"]  # the collector target
 
 
 def test_text_panel_links_resolve_on_the_collector(stack: Stack) -> None:
