@@ -136,7 +136,7 @@ def duration_text(seconds: float) -> str:
     """The shortest exact form :func:`duration` reads back (``0`` when none)."""
     if seconds <= 0:
         return "0"
-    for unit in ("w", "d", "h", "m"):
+    for unit in ("d", "h", "m"):  # (weeks read back too, but 7d says it plainer than 1w)
         size = _DURATION_UNITS[unit]
         if seconds % size == 0:
             return f"{int(seconds // size)}{unit}"

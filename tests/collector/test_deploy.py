@@ -33,10 +33,14 @@ def _compose() -> dict[str, Any]:
 
 
 def _collector_args(argv: list[str]) -> Any:
-    """Parse collector flags exactly as ``python -m kvfabric.collector`` does."""
+    """Parse collector flags exactly as ``python -m kvfabric.collector`` does, and check what it checks before it
+    starts (the flags agree; a non-loopback bind has a token or says it needs none)."""
+    from kvfabric.collector.config import check_http_exposure, config_from_args
     from kvfabric.collector.main import build_parser
 
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    check_http_exposure(config_from_args(args))
+    return args
 
 
 def _flag(argv: list[str], name: str) -> str:
