@@ -2,8 +2,13 @@
 PostgreSQL or a local file, data as Parquet in a folder or on S3). Everything above this module (writer, queries,
 REST) runs the same SQL on either: a lake connection has the lake as its default database.
 
-Lake tables are the file's tables plus, on ``events``, a ``day`` column (UTC date of ``ts_ns``) that, with
-``run_id`` and ``engine``, partitions the data files, so a query for one run, engine or day reads only its files.
+Lake tables are the file's tables with two differences:
+  * ``events`` has a ``day`` column (UTC date of ``ts_ns``) that, with ``run_id`` and ``engine``, partitions the
+    data files, so a query for one run, engine or day reads only its files;
+  * ``streams`` is a view of the newest row per stream id of ``stream_log``, to which every commit *appends* the
+    rows of the streams it advanced. DuckLake makes a transaction that deletes from a table fail when another
+    committed an insert into it meanwhile, so the file's DELETE + INSERT would make collectors sharing a lake
+    conflict on every commit; appends never conflict. Maintenance deletes the superseded rows.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 import duckdb
 
 from kvfabric.contract import schema as S
-from kvfabric.ingest.store import _prepare, db_size_bytes, open_database, quote
+from kvfabric.ingest.store import GENERATION_SQL, _prepare, db_size_bytes, open_database, quote
 from kvfabric.lake import LakeLocation, connect_lake, is_commit_conflict, use_lake
 
 log = logging.getLogger("kvfabric.ingest.backend")
@@ -30,6 +35,15 @@ _COLS = ", ".join(quote(c) for c in S.COLUMNS)
 FILE_INSERT_SQL = f"INSERT INTO events ({_COLS}) SELECT {_COLS} FROM _kvf_ingest"
 LAKE_INSERT_SQL = f"INSERT INTO events ({_COLS}, day) SELECT {_COLS}, {DAY_SQL} FROM _kvf_ingest"
 _PREPARE_ATTEMPTS = 8
+STREAM_LOG = "stream_log"
+NEWEST_STREAM_ROWS = (f"SELECT * FROM {STREAM_LOG} "
+                      f"QUALIFY row_number() OVER (PARTITION BY stream_id ORDER BY {GENERATION_SQL} DESC, "
+                      "last_seen_ns DESC) = 1")
+STREAMS_VIEW_DDL = f"CREATE VIEW IF NOT EXISTS streams AS {NEWEST_STREAM_ROWS}"
+SUPERSEDED_STREAM_ROWS_DELETE = (
+    f"DELETE FROM {STREAM_LOG} WHERE rowid IN (SELECT rowid FROM {STREAM_LOG} "
+    f"QUALIFY row_number() OVER (PARTITION BY stream_id ORDER BY {GENERATION_SQL} DESC, last_seen_ns DESC) > 1)"
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,15 @@ class Backend:
     @property
     def is_lake(self) -> bool:
         return self.lake is not None
+
+    @property
+    def streams_sql(self) -> tuple[str, ...]:
+        """The writer's statements recording the registered Arrow table ``_kvf_streams`` (its states, one row each),
+        with the parameter ``$ids`` (their stream ids) where needed."""
+        if self.is_lake:
+            return (f"INSERT INTO {STREAM_LOG} SELECT * FROM _kvf_streams",)
+        return ("DELETE FROM streams WHERE stream_id IN (SELECT unnest($ids::VARCHAR[]))",
+                "INSERT INTO streams SELECT * FROM _kvf_streams")
 
     @property
     def insert_sql(self) -> str:
@@ -101,7 +124,8 @@ def prepare_lake(con: duckdb.DuckDBPyConnection, location: LakeLocation) -> None
     once on a new lake race here, so a lost commit race is retried (each statement commits on its own)."""
     for attempt in range(_PREPARE_ATTEMPTS):
         try:
-            _prepare(con, location.describe(), None, None)
+            _prepare(con, location.describe(), None, None, streams_table=STREAM_LOG)
+            con.execute(STREAMS_VIEW_DDL)
             con.execute("ALTER TABLE events ADD COLUMN IF NOT EXISTS day DATE")
             if not _partitioned(con):
                 con.execute(f"ALTER TABLE events SET PARTITIONED BY ({', '.join(LAKE_PARTITIONS)})")

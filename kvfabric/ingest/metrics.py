@@ -184,7 +184,7 @@ class CollectorMetrics:
         )
         self.commit_conflicts = Counter(
             "kvfabric_lake_commit_conflicts_total",
-            "Lake commits that lost a race with another writer and were retried (0 on a DuckDB file)", registry=r,
+            "Lake commits refused as conflicting with another writer's and retried (0 on a DuckDB file)", registry=r,
         )
         self.open_streams = Gauge("kvfabric_open_streams", "Connected sink streams", registry=r)
         self.db_size = Gauge("kvfabric_db_size_bytes", "Size of the DuckDB file and its WAL", registry=r)

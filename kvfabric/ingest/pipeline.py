@@ -90,7 +90,8 @@ class IngestPipeline:
         self._readers_parent = self.con.cursor()
         self.writer = EventWriter(
             self.con, self.queue, self.metrics, coalesce_rows=s.coalesce_rows, coalesce_s=s.coalesce_ms / 1000,
-            gap_grace_s=s.gap_grace_s, reopen=self.reopen, insert_sql=backend.insert_sql, lake=backend.is_lake,
+            gap_grace_s=s.gap_grace_s, reopen=self.reopen, insert_sql=backend.insert_sql,
+            streams_sql=backend.streams_sql, lake=backend.is_lake,
             lookup_stream=self._lookup_stream if backend.is_lake else None, maintenance=s.maintenance,
             maintenance_interval_s=s.maintenance_interval_s,
         )

@@ -114,9 +114,14 @@ _ADDED_STREAM_METADATA = ("host", "dp_rank")  # absent from files before schema 
 assert [f.name for f in STREAMS_SCHEMA] == [f.name for f in fields(StreamState)]
 
 
-def streams_ddl() -> str:
+def streams_ddl(table: str = "streams") -> str:
     cols = ", ".join(f"{quote(f.name)} {_DUCKDB_TYPES[f.type]}" for f in STREAMS_SCHEMA)
-    return f"CREATE TABLE IF NOT EXISTS streams ({cols})"
+    return f"CREATE TABLE IF NOT EXISTS {table} ({cols})"
+
+
+GENERATION_SQL = "connections + batches + duplicates + refused_batches"
+"""A stream's state advances this number on every change (a connection, a batch stored, a duplicate or a refusal
+recognised), so among rows of one stream the highest is the newest (an append-only log's ``streams``)."""
 
 
 class IncompatibleDatabase(RuntimeError):
@@ -184,7 +189,9 @@ def open_database(path: str, checkpoint_threshold: str | None = None,
 
 
 def _prepare(con: duckdb.DuckDBPyConnection, path: str, checkpoint_threshold: str | None,
-             memory_limit: str | None = None) -> None:
+             memory_limit: str | None = None, streams_table: str = "streams") -> None:
+    """Create or upgrade the tables; ``streams_table``: where the ``streams`` rows are kept (a lake keeps them in
+    the append-only ``stream_log`` under a ``streams`` view, see :mod:`kvfabric.ingest.backend`)."""
     if memory_limit:
         con.execute(f"SET memory_limit = '{memory_limit.replace(chr(39), '')}'")
     if checkpoint_threshold:
@@ -196,12 +203,12 @@ def _prepare(con: duckdb.DuckDBPyConnection, path: str, checkpoint_threshold: st
     elif row[0] != str(S.SCHEMA_VERSION):
         _migrate(con, path, row[0])
     con.execute(events_ddl())
-    con.execute(streams_ddl())
+    con.execute(streams_ddl(streams_table))
     for name in _ADDED_STREAM_COLUMNS:
-        con.execute(f"ALTER TABLE streams ADD COLUMN IF NOT EXISTS {quote(name)} BIGINT DEFAULT 0")
+        con.execute(f"ALTER TABLE {streams_table} ADD COLUMN IF NOT EXISTS {quote(name)} BIGINT DEFAULT 0")
     for name in _ADDED_STREAM_METADATA:
         kind = _DUCKDB_TYPES[STREAMS_SCHEMA.field(name).type]
-        con.execute(f"ALTER TABLE streams ADD COLUMN IF NOT EXISTS {quote(name)} {kind}")
+        con.execute(f"ALTER TABLE {streams_table} ADD COLUMN IF NOT EXISTS {quote(name)} {kind}")
 
 
 def load_streams(con: duckdb.DuckDBPyConnection) -> dict[str, StreamState]:

@@ -39,7 +39,7 @@ import pyarrow as pa
 from kvfabric.contract import schema as S
 from kvfabric.ingest import defaults as D
 from kvfabric.ingest.acks import AckChannel
-from kvfabric.ingest.backend import FILE_INSERT_SQL
+from kvfabric.ingest.backend import FILE_INSERT_SQL, Backend
 from kvfabric.ingest.errors import STORE_FAILED
 from kvfabric.ingest.metrics import CollectorMetrics, CommitAggregate
 from kvfabric.ingest.queue import BatchQueue, BatchReceived, BatchRefused, QueueItem, StreamOpened
@@ -170,6 +170,7 @@ class EventWriter:
         gap_grace_s: float = D.GAP_GRACE_S,
         reopen: Callable[[], duckdb.DuckDBPyConnection] | None = None,
         insert_sql: str = FILE_INSERT_SQL,
+        streams_sql: tuple[str, ...] = Backend("").streams_sql,
         lake: bool = False,
         lookup_stream: Callable[[str], StreamState | None] | None = None,
         maintenance: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
@@ -177,6 +178,7 @@ class EventWriter:
     ) -> None:
         self._con = con
         self._insert_sql = insert_sql
+        self._streams_sql = streams_sql
         # A lake is shared: another collector may have committed a stream since this one loaded it, and any
         # storage fault (catalog connection lost, object store refusing) is cured by attaching again.
         self._lake = lake
@@ -602,11 +604,11 @@ class EventWriter:
                 finally:
                     con.unregister("_kvf_ingest")
             if states:
-                con.execute("DELETE FROM streams WHERE stream_id IN (SELECT unnest(?::VARCHAR[]))",
-                            [[s.stream_id for s in states]])
                 con.register("_kvf_streams", streams_table(states))
                 try:
-                    con.execute("INSERT INTO streams SELECT * FROM _kvf_streams")
+                    for statement in self._streams_sql:
+                        params = {"ids": [s.stream_id for s in states]} if "$ids" in statement else None
+                        con.execute(statement, params)
                 finally:
                     con.unregister("_kvf_streams")
             con.execute("COMMIT")

@@ -30,9 +30,6 @@ def connect_lake(location: LakeLocation, *, read_only: bool = False,
                 con.execute(secret)
         else:
             os.makedirs(location.data, exist_ok=True)
-        # Commit conflicts come back to the writer, which retries them itself with backoff and counts them
-        # (kvfabric_lake_commit_conflicts_total); DuckLake's own silent retries would hide them.
-        con.execute("SET ducklake_max_retry_count = 0")
         try:
             con.execute(location.attach_sql(read_only=read_only))
         except duckdb.Error as e:
