@@ -3,7 +3,10 @@ and made the default database, so every statement the file backend runs reads th
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import duckdb
 
@@ -21,6 +24,11 @@ def connect_lake(location: LakeLocation, *, read_only: bool = False,
     which part failed; a :class:`~kvfabric.lake.extensions.MissingExtension` passes through as it is."""
     con = duckdb.connect()
     try:
+        # An in-memory database spills to ./.tmp by default: collectors started in one folder would share (and
+        # remove each other's) spill files. Each connection gets a folder of its own, removed at exit.
+        spill = tempfile.mkdtemp(prefix="kvfabric-spill-")
+        atexit.register(shutil.rmtree, spill, True)
+        con.execute(f"SET temp_directory = '{spill}'")
         if memory_limit:
             con.execute(f"SET memory_limit = '{memory_limit.replace(chr(39), '')}'")
         load_extensions(con, location.extensions())
