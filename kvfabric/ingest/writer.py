@@ -309,6 +309,11 @@ class EventWriter:
             return
         try:
             self._maintenance(self._con)
+            if self._lake and self._reopen is not None:
+                # DuckLake's compaction leaves the in-memory database holding memory it never returns (measured:
+                # RSS grew ~0.3 MB/s under a steady load with maintenance every 10 s, flat with a fresh attach
+                # after each run); attaching anew costs ~0.1 s per interval and frees all of it.
+                self._con = self._reopen()
         except Exception as e:
             self._rlog.log(logging.WARNING, "maintenance", "retention/compaction failed (retried in %.0f s): %s",
                            self._maintenance_interval_s, str(e).splitlines()[0][:300] if str(e) else e)
