@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -200,22 +198,11 @@ def test_fleet_on_a_file_rest_and_cli_agree(capsys: pytest.CaptureFixture[str]) 
         assert "unknown run 'nope'" in capsys.readouterr().err
 
 
-@contextmanager
-def _env(env: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def test_fleet_on_a_lake_rest_and_cli_agree(lake_location: KitLocation, capsys: pytest.CaptureFixture[str]) -> None:
-    with collector_files() as files, _env(lake_location.env):
+def test_fleet_on_a_lake_rest_and_cli_agree(lake_location: KitLocation, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in lake_location.env.items():  # (this process reads the lake too: kvfabric fleet in-process)
+        monkeypatch.setenv(name, value)
+    with collector_files() as files:
         config = files.config(lake=lake_location.catalog, data=lake_location.data, coalesce_ms=50)
         with CollectorProcess(config, log_path=files.log_path, env={**os.environ}, ready_timeout=60.0):
             total = _send_all(files.socket_path)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
@@ -37,6 +36,13 @@ from kvfabric.queries.sources import connector
 pytestmark = pytest.mark.timeout(420)
 
 RUN = "fleet-run"
+
+
+@pytest.fixture(autouse=True)
+def _lake_env(lake_location: KitLocation, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The S3 variables for this process's own reads of the lake (the collectors get them as children)."""
+    for name, value in lake_location.env.items():
+        monkeypatch.setenv(name, value)
 
 
 class Producer:
@@ -87,29 +93,8 @@ def _env(lake: KitLocation) -> dict[str, str]:
 
 
 def _reader(lake: KitLocation) -> QueryRunner:
-    with _patched_env(lake.env):
-        location = LakeLocation.parse(lake.catalog, lake.data)
-    return QueryRunner(lambda: _with_env(lake.env, connector("", location)))
-
-
-def _with_env(env: dict[str, str], connect: Any) -> Any:
-    with _patched_env(env):
-        return connect()
-
-
-@contextmanager
-def _patched_env(env: dict[str, str]) -> Iterator[None]:
-    """The S3 variables for this process's own reads of the lake (the collectors get them as children)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """kvfabric's own runner on the lake, attached read-only (the tests set the S3 variables in this process)."""
+    return QueryRunner(connector("", LakeLocation.parse(lake.catalog, lake.data)))
 
 
 def _stored_per_engine(lake: KitLocation) -> dict[str, tuple[int, int, int, int, int]]:
