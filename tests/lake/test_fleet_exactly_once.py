@@ -158,7 +158,7 @@ def test_three_collectors_one_killed_store_every_event_once(lake_location: KitLo
         assert hosts_seen == 1 and gaps == 0
         assert n > 3_000
     assert sinks["host-b/dp0"].connects >= 2  # it really lost its collector and came back
-    assert conflicts >= 0  # counted (three writers on one lake may or may not have raced in this run)
+    assert conflicts == 0  # appends of three collectors never conflict (no maintenance ran: its interval is 5 min)
 
     overview = _reader(lake_location).fleet(run=RUN)
     by_engine = {e["engine"]: e for e in overview["engines"]}
