@@ -39,7 +39,6 @@ import platform
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -453,7 +452,7 @@ def gen_select(a: int, b: int, n_total: int) -> str:
     ev_cases = []
     acc = 0
     for name, w in EVENT_MIX:
-        acc += int(round(w * 1000))
+        acc += round(w * 1000)
         ev_cases.append(f"WHEN u < {acc} THEN '{name}'")
     ev = "CASE " + " ".join(ev_cases[:-1]) + f" ELSE '{EVENT_MIX[-1][0]}' END"
     run_cases = []
@@ -916,12 +915,11 @@ def render(out: dict[str, Any]) -> str:
             "run_summary cold / warm s | families cold / warm s | evictions page 1 cold / warm s |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for key, d in q.items():
+        for d in q.values():
             if not isinstance(d, dict) or "timings" not in d:
                 continue
-            tm = d["timings"]
 
-            def cell(name: str) -> str:
+            def cell(name: str, tm: dict[str, Any] = d["timings"]) -> str:
                 x = tm.get(name, {})
                 if x.get("error"):
                     return f"{fmt(x['cold_s'])} FAILED: {x['error'][:80]}"
@@ -947,7 +945,7 @@ def render(out: dict[str, Any]) -> str:
 
 def query_verdicts(q: dict[str, Any]) -> list[str]:
     out = []
-    for key, d in q.items():
+    for d in q.values():
         if not isinstance(d, dict) or "timings" not in d or d["kind"] != "lake":
             continue
         limit = 2.0 if d["target_rows"] <= 1e8 else 10.0
@@ -968,12 +966,15 @@ def main() -> int:
     ap.add_argument("--part", choices=("writers", "queries", "both"), default="both")
     g = ap.add_argument_group("writers")
     g.add_argument("--writers", default="1,2,3", help="collector counts (default: %(default)s)")
-    g.add_argument("--backends", default="local,s3", help="lake data: local folder and/or moto S3 (default: %(default)s)")
-    g.add_argument("--reps", type=int, default=3, help="repeats of each configuration, interleaved (default: %(default)s)")
+    g.add_argument("--backends", default="local,s3",
+                   help="lake data: local folder and/or moto S3 (default: %(default)s)")
+    g.add_argument("--reps", type=int, default=3,
+                   help="repeats of each configuration, interleaved (default: %(default)s)")
     g.add_argument("--warmup", type=float, default=4.0, help="seconds before the window (default: %(default)s)")
     g.add_argument("--duration", type=float, default=15.0, help="measured window, seconds (default: %(default)s)")
     g.add_argument("--batch-rows", type=int, default=4096, help="rows per generator batch (default: %(default)s)")
-    g.add_argument("--coalesce-rows", type=int, default=245_760, help="collectors' --coalesce-rows (default: %(default)s)")
+    g.add_argument("--coalesce-rows", type=int, default=245_760,
+                   help="collectors' --coalesce-rows (default: %(default)s)")
     g.add_argument("--coalesce-ms", type=int, default=100, help="collectors' --coalesce-ms (default: %(default)s)")
     g.add_argument("--coalesce-sweep", default="61440:25,245760:100,983040:1000",
                    help="ROWS:MS settings for the coalescing sweep, '' to skip (default: %(default)s)")
@@ -983,11 +984,13 @@ def main() -> int:
     g.add_argument("--lake-sizes", default="1e8,1e9", help="rows of the generated lakes (default: %(default)s)")
     g.add_argument("--file-size", default="1e8", help="rows of the DuckDB file, '' to skip (default: %(default)s)")
     g.add_argument("--chunk-rows", type=int, default=25_000_000, help="rows per INSERT (default: %(default)s)")
-    g.add_argument("--gen-budget-s", type=float, default=1500, help="generation time cap per store (default: %(default)s)")
+    g.add_argument("--gen-budget-s", type=float, default=1500,
+                   help="generation time cap per store (default: %(default)s)")
     g.add_argument("--min-free-gb", type=float, default=8.0, help="stop generating before free disk drops below")
     g.add_argument("--query-reps", type=int, default=5, help="warm repeats per query (default: %(default)s)")
     g.add_argument("--query-timeout", type=float, default=300, help="QueryRunner timeout, s (default: %(default)s)")
-    ap.add_argument("--work-dir", default=os.environ.get("KVF_BENCH_DIR", "/tmp"), help="temp data (default: %(default)s)")
+    ap.add_argument("--work-dir", default=os.environ.get("KVF_BENCH_DIR", "/tmp"),
+                    help="temp data (default: %(default)s)")
     ap.add_argument("--keep", action="store_true", help="keep temp data (debugging)")
     ap.add_argument("--json", default=str(RESULTS / "fleet.json"))
     ap.add_argument("--md", default=str(RESULTS / "fleet.md"))
