@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from kvfabric.sim.latency import LatencyModel, StepWork, get_latency_model
 
 if TYPE_CHECKING:  # vLLM is an optional extra; import it only where it is used.
+    from vllm.config import KVEventsConfig
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -125,13 +126,16 @@ def build_scheduler(
     enable_prefix_caching: bool = True,
     model_dir: str | None = None,
     load_plugins: bool = True,
+    kv_events: KVEventsConfig | None = None,
 ) -> Scheduler:
     """Build vLLM's real ``Scheduler`` (and through it ``KVCacheManager`` and ``BlockPool``) on a CPU.
 
     ``num_blocks`` counts vLLM's null block, so ``num_blocks - 1`` blocks are usable. Installed vLLM general
     plugins are loaded first (as ``EngineCore.__init__`` does; ``load_plugins=False`` skips them, for a plain
     vLLM baseline), and the class is looked up on its module at call time, so a plugin that wraps
-    ``Scheduler.__init__`` sees this construction exactly as in a real engine.
+    ``Scheduler.__init__`` sees this construction exactly as in a real engine. ``kv_events`` is vLLM's
+    ``--kv-events-config``: the Scheduler builds vLLM's own event publisher from it (``ZmqEventPublisher`` for
+    ``publisher="zmq"``) and publishes one batch per step; ``Scheduler.shutdown()`` stops it.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local config.json; never reach for the Hub
     # vLLM, torch: only when a scheduler is built (this module loads for several commands' --help)
@@ -163,6 +167,7 @@ def build_scheduler(
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         device_config=DeviceConfig(device="cpu"),  # without it: "Failed to infer device type"
+        kv_events_config=kv_events,
     )
     # What EngineCore learns from the workers' memory profiling; here we simply decide it.
     cache_config.num_gpu_blocks = num_blocks
