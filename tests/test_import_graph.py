@@ -7,7 +7,7 @@ The layers, lowest first (a unit may import its own layer's units only where lis
   2  policies                       key functions and the victim index
   3  settings, queries              the KVFABRIC_* table; the named SQL
   4  engine, forwarder              inside vLLM's process; the forwarder process (siblings: never each other)
-  5  ingest, sim                    the collector's ingest side; the simulated engine and replays
+  5  ingest, kvevents, sim          the collector's ingest side (sockets, KV events); the simulated engine and replays
   6  learn, analysis                fitting models; what-if and traffic analyses
   7  api                            REST
   8  collector                      the collector process
@@ -30,7 +30,7 @@ LAYERS = {
     "policies": 2,
     "settings": 3, "queries": 3,
     "engine": 4, "forwarder": 4,
-    "ingest": 5, "sim": 5,
+    "ingest": 5, "kvevents": 5, "sim": 5,
     "learn": 6, "analysis": 6,
     "api": 7,
     "collector": 8,

@@ -147,6 +147,42 @@ class Comparison(BaseModel):
     delta: dict[str, float] = Field(description="b - a for every numeric summary field")
 
 
+class KvEventsHealth(BaseModel):
+    """One ``--kv-events`` subscriber (kvfabric/kvevents/subscriber.py). Addresses only for authenticated callers."""
+
+    engine: str
+    state: str = Field(description="connected | disconnected (the publisher went away: ZMQ reconnects) | waiting "
+                                   "(never reached yet) | failed (the subscriber thread died: see problem)")
+    since_ns: int = Field(description="when the current state began")
+    stream_id: str | None = Field(description="the stream of the publisher incarnation being stored")
+    last_seq: int | None = Field(description="the last seq placed in that stream (stored or refused)")
+    batches: int
+    rows: int
+    lost: int = Field(description="batches published and never stored, all reasons (each counted once)")
+    lost_by_reason: dict[str, int] = Field(description="gap | replay_unavailable | joined_late")
+    decode_errors: int
+    replays: int
+    reconnects: int
+    restarts: int = Field(description="publisher restarts detected (each a new stream)")
+    last_batch_ns: int | None
+    lag_s: float | None = Field(description="receive time minus the last live batch's ts")
+    problem: str | None = None
+    endpoint: str | None = None
+    replay: str | None = None
+
+
+class EngineMetricsHealth(BaseModel):
+    """One engine-metrics endpoint (kvfabric/kvevents/engine_metrics.py). The URL only for authenticated callers."""
+
+    engine: str
+    reads: int
+    failures: int
+    counter_resets: int
+    last_ok_ns: int | None
+    problem: str | None = None
+    url: str | None = None
+
+
 class Health(BaseModel):
     """``status`` "ok" (200) or "failing" (503). Paths and ``detail`` only for callers with the bearer token."""
 
@@ -159,6 +195,9 @@ class Health(BaseModel):
     commits: int | None = None
     problem: str | None = None
     detail: str | None = Field(default=None, description="the underlying error (authenticated callers only)")
+    kv_events: list[KvEventsHealth] | None = Field(default=None, description="one per --kv-events spec")
+    engine_metrics: list[EngineMetricsHealth] | None = Field(default=None,
+                                                            description="one per engine-metrics URL")
 
 
 class EngineInfo(BaseModel):

@@ -26,6 +26,7 @@ from kvfabric.ingest import IngestSettings
 from kvfabric.ingest import defaults as D
 from kvfabric.ingest.retention import Retention
 from kvfabric.ingest.server import parse_uids
+from kvfabric.kvevents.spec import KvEventsSpec, check_unique, engine_metrics_targets, parse_spec
 from kvfabric.lake import LakeLocation
 
 TOKEN_ENV = "KVFABRIC_API_TOKEN"
@@ -68,6 +69,17 @@ class CollectorConfig:
     read_only: bool = False  # serve queries on the lake, no socket, no writes
     retain_s: float = D.RETAIN_S  # 0: keep everything
     maintenance_interval_s: float = D.MAINTENANCE_INTERVAL_S
+    kv_events: tuple[str, ...] = ()  # --kv-events SPECs: vLLM KV-event publishers to subscribe to
+    engine_metrics: tuple[str, ...] = ()  # --engine-metrics [ENGINE=]URL: engines' /metrics (prefix-cache counters)
+
+    def kv_event_specs(self) -> tuple[KvEventsSpec, ...]:
+        """The ``--kv-events`` specs, checked (:class:`~kvfabric.kvevents.spec.SpecError`, a ValueError, names the
+        one at fault)."""
+        if (self.kv_events or self.engine_metrics) and self.read_only:
+            raise ValueError("--kv-events and --engine-metrics ingest: a --read-only collector takes neither")
+        specs = tuple(parse_spec(text) for text in self.kv_events)
+        check_unique(specs)
+        return specs
 
     def lake_location(self) -> LakeLocation | None:
         """The lake, checked (ValueError names the flag at fault); None for the DuckDB file."""
@@ -89,6 +101,7 @@ class CollectorConfig:
         return token or None
 
     def ingest_settings(self) -> IngestSettings:
+        specs = self.kv_event_specs()
         return IngestSettings(
             db_path=self.db_path,
             socket_path=self.socket_path,
@@ -110,6 +123,8 @@ class CollectorConfig:
             lake=self.lake_location(),
             maintenance=Retention(lake=self.lake is not None, retain_s=self.retain_s),
             maintenance_interval_s=self.maintenance_interval_s,
+            kv_events=specs,
+            engine_metrics=tuple(engine_metrics_targets(specs, self.engine_metrics)),
         )
 
     def to_argv(self) -> list[str]:
@@ -142,6 +157,10 @@ class CollectorConfig:
             argv.append("--read-only")
         argv += ["--retain", duration_text(self.retain_s),
                  "--maintenance-interval", duration_text(self.maintenance_interval_s)]
+        for spec in self.kv_events:
+            argv += ["--kv-events", spec]
+        for target in self.engine_metrics:
+            argv += ["--engine-metrics", target]
         return argv
 
 
@@ -258,6 +277,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=duration_text(d.maintenance_interval_s), metavar="DURATION",
                         help="how often retention runs, and on a lake the merging of small files and the removal "
                         "of files no snapshot needs (default: %(default)s)")
+    parser.add_argument("--kv-events", dest="kv_events", action="append", default=[], metavar="SPEC",
+                        help="subscribe to a vLLM (or SGLang) KV-event publisher (--kv-events-config) and store its "
+                        "events like the plugin's: tcp://HOST:PORT[,replay=tcp://HOST:PORT][,engine=NAME][,run=RUN]"
+                        "[,topic=T][,metrics=URL][,host=H][,hwm=N] (defaults: engine kv-events@HOST:PORT, run "
+                        f"default, any topic, hwm {D.KV_EVENTS_RCVHWM}); repeatable, one per engine or DP rank")
+    parser.add_argument("--engine-metrics", dest="engine_metrics", action="append", default=[],
+                        metavar="[ENGINE=]URL",
+                        help="an engine's Prometheus /metrics: its prefix-cache query and hit counters are read every "
+                        f"{D.ENGINE_METRICS_INTERVAL_S:g} s into prefix_cache_counters rows (ENGINE may be left out "
+                        "with exactly one --kv-events); repeatable")
     parser.add_argument("--max-label-runs", type=positive_int, default=None,
                         help="distinct run labels in /metrics before '_other' (default: $KVFABRIC_MAX_LABEL_RUNS, 64)")
 
@@ -296,6 +325,9 @@ def config_from_args(args: argparse.Namespace) -> CollectorConfig:
         read_only=args.read_only,
         retain_s=args.retain_s,
         maintenance_interval_s=args.maintenance_interval_s or D.MAINTENANCE_INTERVAL_S,
+        kv_events=tuple(args.kv_events),
+        engine_metrics=tuple(args.engine_metrics),
     )
     config.lake_location()  # --lake / --data / --read-only checked before anything starts
+    engine_metrics_targets(config.kv_event_specs(), config.engine_metrics)  # --kv-events / --engine-metrics too
     return config

@@ -200,4 +200,19 @@ class Collector:
             detail = writer.storage_problem
         if authorized and detail:
             body["detail"] = detail
+        self._kv_events_health(body, authorized)
         return body
+
+    def _kv_events_health(self, body: dict[str, object], authorized: bool) -> None:
+        """Each KV-event subscriber and engine-metrics scraper; a dead subscriber thread fails the collector (a
+        publisher that went away does not: it is followed, and shown)."""
+        subscribers = self.pipeline.kv_subscribers
+        scrapers = self.pipeline.engine_scrapers
+        if subscribers:
+            body["kv_events"] = [s.status(authorized) for s in subscribers]
+            dead = [s.spec.engine for s in subscribers if s.failed]
+            if dead and body["status"] == "ok":
+                body["status"] = "failing"
+                body["problem"] = f"kv-events subscriber(s) stopped on an error: {', '.join(dead)}"
+        if scrapers:
+            body["engine_metrics"] = [s.status(authorized) for s in scrapers]

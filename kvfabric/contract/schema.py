@@ -33,6 +33,7 @@ BLOCK_EVICTED = "block_evicted"
 BLOCK_REBUILT = "block_rebuilt"
 CACHE_RESET = "cache_reset"
 SINK_DROPPED = "sink_dropped"
+PREFIX_CACHE_COUNTERS = "prefix_cache_counters"  # an engine's own prefix-cache counters, per scrape (kv-events source)
 
 # Why a block_evicted row's block lost its content (docs/design.md §4). ``pressure``: get_new_blocks reused it for a
 # new allocation; ``connector``: a KV connector evicted it through evict_blocks; ``reset``: a prefix-cache reset
@@ -55,6 +56,7 @@ EVENT_TYPES: tuple[str, ...] = (
     BLOCK_REBUILT,
     CACHE_RESET,
     SINK_DROPPED,
+    PREFIX_CACHE_COUNTERS,
 )
 
 # (name, type, meaning). Order is the tuple order the hook emits (``seq`` excluded, it is stamped by the sink).
@@ -74,8 +76,10 @@ _FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("hit_count", pa.int32(), "prefix-cache hits on this block since it was sealed"),
     ("share_degree", pa.int32(), "distinct requests that used the block since it was sealed"),
     ("branch_factor", pa.int32(), "distinct child blocks seen sealed after this one"),
-    ("prompt_tokens", pa.int32(), "prefix_lookup: prompt tokens of the request"),
-    ("hit_tokens", pa.int32(), "prefix_lookup: prompt tokens served from the prefix cache"),
+    ("prompt_tokens", pa.int32(), "prefix_lookup: prompt tokens of the request; prefix_cache_counters: the "
+                                  "engine's prefix-cache queries (tokens) since the previous scrape"),
+    ("hit_tokens", pa.int32(), "prefix_lookup: prompt tokens served from the prefix cache; prefix_cache_counters: "
+                               "the engine's prefix-cache hits (tokens) since the previous scrape"),
     ("retain_score", pa.float64(), "policy's retain score (higher = keep)"),
     ("protected", pa.bool_(), "the policy marked the block protected at the event"),
     ("policy", pa.string(), "eviction policy in force"),
@@ -119,6 +123,12 @@ META_SETTINGS = "kvfabric.settings"  # JSON object of the settings in force (Hoo
 # ``dp_rank`` columns, stamped on every row by the expander.
 META_HOST = "kvfabric.host"  # host name (KVFABRIC_HOST, else socket.gethostname()); = protocol.META_HOST
 META_DP_RANK = "kvfabric.dp_rank"  # vLLM data-parallel rank, decimal
+# Where a stream's events come from (optional; absent = ``plugin``): the hook inside vLLM, or vLLM's standard
+# KV-event stream (``--kv-events-config``) that a collector subscribed to (kvfabric.kvevents).
+META_SOURCE = "kvfabric.source"
+SOURCE_PLUGIN = "plugin"
+SOURCE_KV_EVENTS = "kv_events"
+SOURCES: tuple[str, ...] = (SOURCE_PLUGIN, SOURCE_KV_EVENTS)
 REQUIRED_META: tuple[str, ...] = (
     META_SCHEMA_VERSION,
     META_STREAM_ID,

@@ -40,3 +40,14 @@ GAP_GRACE_S = 5.0
 # ---- retention and compaction (both backends; run by the writer thread) ----
 RETAIN_S = 7 * 86400.0  # --retain 7d: events older than this are deleted; 0 keeps everything
 MAINTENANCE_INTERVAL_S = 300.0  # how often retention and compaction run
+
+# ---- vLLM's KV-event stream (--kv-events; kvfabric.kvevents) ----
+KV_EVENTS_RCVHWM = 10_000  # messages (batches) the SUB socket holds; past it ZMQ drops (the gap is then counted)
+KV_EVENTS_REPLAY_TIMEOUT_S = 2.0  # longest wait for the replay socket's next frame before giving the range up
+KV_EVENTS_REPLAY_ATTEMPTS = 3  # replay requests for one hole, as long as each one brings something
+KV_EVENTS_RECONNECT_MS = (100, 2000)  # ZMQ's reconnect interval to a publisher that went away: first, longest
+KV_EVENTS_EVICTED_MEMORY = 1_000_000  # evicted digests remembered for rebuilt detection: the expander's default
+KV_EVENTS_KNOWN_MEMORY = 1 << 19  # digests whose depth, family and owner are remembered (parents of later blocks)
+KV_EVENTS_LIVE_MEMORY = 1 << 20  # cached digests (with their copy counts) remembered for reset evictions
+ENGINE_METRICS_INTERVAL_S = 5.0  # how often an engine's /metrics is read for its prefix-cache counters
+ENGINE_METRICS_TIMEOUT_S = 2.0

@@ -32,7 +32,8 @@ BAD_STREAM_REASONS: tuple[str, ...] = (
 # kvfabric_refused_batches_total{reason}: one batch is not stored (its rows are counted), the stream goes on.
 VALUE_TOO_LONG = "value_too_long"
 STORE_FAILED = "store_failed"
-REFUSED_BATCH_REASONS: tuple[str, ...] = (INVALID_UTF8, VALUE_TOO_LONG, SCHEMA_MISMATCH, STORE_FAILED)
+UNDECODABLE = "undecodable"  # a KV-event message (kvfabric.kvevents) whose payload could not be decoded
+REFUSED_BATCH_REASONS: tuple[str, ...] = (INVALID_UTF8, VALUE_TOO_LONG, SCHEMA_MISMATCH, STORE_FAILED, UNDECODABLE)
 
 # kvfabric_connections_refused_total{reason}: closed right after accept(), before anything is read.
 CONNECTION_LIMIT = "connection_limit"

@@ -33,6 +33,16 @@ EVICTION_REASON_LABELS: tuple[str, ...] = (*S.EVICTION_REASONS, UNKNOWN_REASON)
 """Values of the ``reason`` label: the documented reasons, and ``unknown`` for rows that carry none."""
 DEFAULT_MAX_LABEL_RUNS: int = settings.BY_NAME["KVFABRIC_MAX_LABEL_RUNS"].default
 
+# Label values of the KV-event metrics (docs/metrics.md); kvfabric.kvevents uses only these.
+KV_VIA = ("live", "replay")
+KV_EVENT_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+KV_SKIP_REASONS = ("unknown_type", "medium")
+KV_LOSS_GAP = "gap"  # a hole in the live sequence and no replay socket to ask
+KV_LOSS_REPLAY = "replay_unavailable"  # the replay no longer held the range (or did not answer)
+KV_LOSS_JOINED_LATE = "joined_late"  # published before this collector's first batch of the stream, not replayable
+KV_LOSS_REASONS = (KV_LOSS_GAP, KV_LOSS_REPLAY, KV_LOSS_JOINED_LATE)
+KV_DECODE_ERROR_REASONS = ("frames", "garbage", "truncated", "shape", "topic")
+
 LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 REBUILD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 INSERT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -192,6 +202,77 @@ class CollectorMetrics:
             "kvfabric_writer_queue_rows", "Rows received but not yet committed", registry=r
         )
         self.up = Gauge("kvfabric_up", "1 while the collector serves and its storage accepts writes", registry=r)
+        self._kv_events_metrics(r)
+
+    def _kv_events_metrics(self, r: CollectorRegistry) -> None:
+        """vLLM's KV-event streams (--kv-events, kvfabric.kvevents), label ``engine``: one series set per spec."""
+        e = ["engine"]
+        self.kv_batches = Counter(
+            "kvfabric_kv_events_batches_total",
+            "KV-event batches placed in their stream (stored or refused), label via = live | replay (a hole filled)",
+            [*e, "via"], registry=r,
+        )
+        self.kv_events = Counter(
+            "kvfabric_kv_events_events_total", "KV events decoded, label type = BlockStored | BlockRemoved | "
+            "AllBlocksCleared", [*e, "type"], registry=r,
+        )
+        self.kv_skipped = Counter(
+            "kvfabric_kv_events_skipped_events_total", "KV events skipped, label reason = unknown_type | medium",
+            [*e, "reason"], registry=r,
+        )
+        self.kv_lost = Counter(
+            "kvfabric_kv_events_lost_batches_total", "KV-event batches published and never stored, label reason",
+            [*e, "reason"], registry=r,
+        )
+        self.kv_replays = Counter(
+            "kvfabric_kv_events_replays_total", "Replay requests sent to publishers", e, registry=r,
+        )
+        self.kv_decode_errors = Counter(
+            "kvfabric_kv_events_decode_errors_total", "KV-event messages that could not be used, label reason",
+            [*e, "reason"], registry=r,
+        )
+        self.kv_reconnects = Counter(
+            "kvfabric_kv_events_reconnects_total", "Publishers that went away and came back", e, registry=r,
+        )
+        self.kv_restarts = Counter(
+            "kvfabric_kv_events_restarts_total", "Publisher restarts detected (sequence back to 0: a new stream)", e,
+            registry=r,
+        )
+        self.kv_connected = Gauge(
+            "kvfabric_kv_events_connected", "1 while the subscriber is connected to its publisher", e, registry=r,
+        )
+        self.kv_lag = Histogram(
+            "kvfabric_kv_events_lag_seconds", "Receive time minus the batch's ts, live batches", e,
+            buckets=LAG_BUCKETS, registry=r,
+        )
+        self.engine_scrapes = Counter(
+            "kvfabric_engine_metrics_scrapes_total", "Reads of an engine's /metrics, label outcome = ok | failed",
+            [*e, "outcome"], registry=r,
+        )
+        self.engine_counter_resets = Counter(
+            "kvfabric_engine_metrics_counter_resets_total",
+            "Prefix-cache counters of an engine seen going back (the engine restarted)", e, registry=r,
+        )
+
+    def open_kv_events(self, engine: str, *, scraped: bool = False) -> None:
+        """A ``--kv-events`` engine (``scraped``: one with an engine-metrics URL): its series exist at 0 from now."""
+        for via in KV_VIA:
+            self.kv_batches.labels(engine, via)
+        for kind in KV_EVENT_KINDS:
+            self.kv_events.labels(engine, kind)
+        for reason in KV_SKIP_REASONS:
+            self.kv_skipped.labels(engine, reason)
+        for reason in KV_LOSS_REASONS:
+            self.kv_lost.labels(engine, reason)
+        for reason in KV_DECODE_ERROR_REASONS:
+            self.kv_decode_errors.labels(engine, reason)
+        for metric in (self.kv_replays, self.kv_reconnects, self.kv_restarts, self.kv_connected,
+                       self.kv_lag):
+            metric.labels(engine)
+        if scraped:
+            for outcome in ("ok", "failed"):
+                self.engine_scrapes.labels(engine, outcome)
+            self.engine_counter_resets.labels(engine)
 
     def bind_gauges(
         self, db_size: Callable[[], float], queue_rows: Callable[[], float],

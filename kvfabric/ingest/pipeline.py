@@ -1,8 +1,10 @@
 """receiver -> queue -> writer, wired: the whole ingest side of the collector as one object.
 
-Order matters at both ends: the writer starts before the socket accepts anything, and on stop the socket server
-drains first (its connections may still be queueing batches), then the writer commits what is queued. That order
-is what "nothing acknowledged is lost" rests on.
+Order matters at both ends: the writer starts before the socket accepts anything (and before the KV-event
+subscribers, kvfabric.kvevents, start), and on stop the subscribers stop, then the socket server drains (its
+connections may still be queueing batches), then the writer commits what is queued. That order is what "nothing
+acknowledged is lost" rests on; a KV-event batch placed in the queue is committed too, and one not yet placed is
+replayed to the next collector from the committed ``last_seq``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import duckdb
 
+from kvfabric.contract import schema as S
 from kvfabric.ingest import defaults as D
 from kvfabric.ingest.backend import Backend
 from kvfabric.ingest.budget import ByteBudget
@@ -28,6 +32,11 @@ from kvfabric.ingest.validate import BatchLimits
 from kvfabric.ingest.writer import EventWriter, StopReport
 from kvfabric.lake import LakeLocation
 from kvfabric.queries import DatabaseUnavailable
+
+if TYPE_CHECKING:
+    from kvfabric.kvevents.engine_metrics import EngineMetricsScraper
+    from kvfabric.kvevents.spec import EngineMetricsSpec, KvEventsSpec
+    from kvfabric.kvevents.subscriber import KvEventsSubscriber
 
 log = logging.getLogger("kvfabric.ingest")
 
@@ -59,6 +68,8 @@ class IngestSettings:
     lake: LakeLocation | None = None  # None: the DuckDB file db_path
     maintenance: Callable[[duckdb.DuckDBPyConnection], None] | None = None  # retention + compaction, writer thread
     maintenance_interval_s: float = 60.0
+    kv_events: tuple[KvEventsSpec, ...] = ()  # vLLM KV-event publishers to subscribe to (kvfabric.kvevents)
+    engine_metrics: tuple[EngineMetricsSpec, ...] = ()  # engines' /metrics to read prefix-cache counters from
 
     @property
     def backend(self) -> Backend:
@@ -80,6 +91,10 @@ class IngestPipeline:
         self._readers_parent: duckdb.DuckDBPyConnection | None = None
         self._readers_lock = threading.Lock()
         self.budget: ByteBudget | None = None
+        #: One per --kv-events spec and per engine-metrics URL (kvfabric.kvevents): started after the socket server,
+        #: stopped before it drains (they queue batches like its connections do).
+        self.kv_subscribers: list[KvEventsSubscriber] = []
+        self.engine_scrapers: list[EngineMetricsScraper] = []
 
     def start(self) -> None:
         s = self.settings
@@ -121,10 +136,51 @@ class IngestPipeline:
         )
         try:
             self.server.start()
+            self._start_kv_events(ctx.rlog)
         except BaseException:
             self.server = None
             self.stop()
             raise
+
+    def _start_kv_events(self, rlog: RateLimitedLog | None) -> None:
+        """One subscriber thread per --kv-events spec, one scraper per engine-metrics URL."""
+        s = self.settings
+        if not (s.kv_events or s.engine_metrics):
+            return
+        # (kvfabric.kvevents builds on ingest's queue, metrics and defaults: a module-level import here would be a
+        # cycle through kvfabric.ingest's __init__)
+        from kvfabric.kvevents.engine_metrics import EngineMetricsScraper
+        from kvfabric.kvevents.stream import SubscriberContext
+        from kvfabric.kvevents.subscriber import KvEventsSubscriber
+
+        assert self.writer is not None
+        ctx = SubscriberContext(queue=self.queue, metrics=self.metrics, max_string_bytes=s.max_string_bytes,
+                                committed_streams=self._committed_kv_streams, resume_seq=self.writer.resume_seq,
+                                engines=self.engines, rlog=rlog)
+        for spec in s.kv_events:
+            subscriber = KvEventsSubscriber(spec, ctx)
+            subscriber.start()
+            self.kv_subscribers.append(subscriber)
+        for target in s.engine_metrics:
+            scraper = EngineMetricsScraper(target, ctx)
+            scraper.start()
+            self.engine_scrapers.append(scraper)
+
+    def _committed_kv_streams(self, engine: str, run_id: str) -> list[StreamState]:
+        """The committed KV-event streams of (engine, run): on a lake, whichever collector wrote them."""
+        try:
+            con = self.reader_connection()
+        except DatabaseUnavailable:
+            return []
+        try:
+            rows = con.execute("SELECT * FROM streams WHERE source = ? AND engine = ? AND run_id = ?",
+                               [S.SOURCE_KV_EVENTS, engine, run_id]).to_arrow_table()
+            return [StreamState(**r) for r in rows.to_pylist()]
+        except duckdb.Error as e:
+            log.warning("kv-events %s: could not read its committed streams (%s); starting a new one", engine, e)
+            return []
+        finally:
+            con.close()
 
     def reader_connection(self) -> duckdb.DuckDBPyConnection:
         """A new connection to the same database instance, for read-only queries in this process.
@@ -177,6 +233,9 @@ class IngestPipeline:
 
         Returns what the writer achieved (:class:`~kvfabric.ingest.writer.StopReport`)."""
         report = StopReport()
+        for thread in (*self.kv_subscribers, *self.engine_scrapers):
+            thread.stop(self.settings.drain_timeout_s)
+        self.kv_subscribers, self.engine_scrapers = [], []
         if self.server is not None:
             self.server.stop(self.settings.drain_timeout_s)
             self.server = None

@@ -24,13 +24,16 @@ from kvfabric.ingest.validate import BatchInfo, StreamMeta
 
 @dataclass(frozen=True)
 class StreamOpened:
-    """A connection delivered a valid schema: the writer records (or refreshes) the stream's row."""
+    """A connection delivered a valid schema: the writer records (or refreshes) the stream's row. ``refresh``: the
+    same connection learnt more of its metadata (a KV-event stream's block size, known from its first stored
+    block): the row is updated without counting a connection."""
 
     meta: StreamMeta
     peer: str
     received_ns: int = field(default_factory=time.time_ns)
     rows: int = 0
     nbytes: int = 0
+    refresh: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,12 @@ Tables (created if missing, never altered):
     One row per event, columns = :data:`kvfabric.contract.schema.COLUMNS` with the schema's types; append-only (nothing
     ever deletes or updates a row, which keeps ``rowid`` a stable tie-breaker for keyset pagination).
 ``streams``
-    One row per stream id: its metadata and ingest accounting (batches, rows, last_seq, gaps, duplicates, refused
-    batches and rows). Rewritten by the writer in the same transaction as the events it accounts for, so after any
-    crash or restart ``last_seq`` and ``rows`` describe exactly the committed events, and gap detection and
-    deduplication resume from there. Columns added after the first release are appended (ALTER TABLE ... ADD
-    COLUMN IF NOT EXISTS on open), so older files keep working.
+    One row per stream id: its metadata (``source``: ``plugin`` or ``kv_events``) and ingest accounting (batches,
+    rows, last_seq, gaps, duplicates, refused batches and rows). Rewritten by the writer in the same transaction as
+    the events it accounts for, so after any crash or restart ``last_seq`` and ``rows`` describe exactly the
+    committed events, and gap detection and deduplication resume from there. Columns added after the first release
+    are appended (ALTER TABLE ... ADD COLUMN IF NOT EXISTS on open; ``source`` with its default ``plugin``), so
+    older files keep working.
 ``kvfabric_meta``
     Key/value facts about the file (schema version), checked on open; an older file is upgraded in place by the
     additive steps of :data:`MIGRATIONS` (columns appended, nothing rewritten), a newer or unknown one refused.
@@ -78,6 +79,7 @@ class StreamState:
     refused_rows: int = 0
     host: str | None = None  # metadata kvfabric.host (absent from older hooks)
     dp_rank: int | None = None  # metadata kvfabric.dp_rank (absent from older hooks)
+    source: str = S.SOURCE_PLUGIN  # metadata kvfabric.source: plugin (the hook) or kv_events (vLLM's KV events)
 
 
 STREAMS_SCHEMA = pa.schema(
@@ -107,10 +109,13 @@ STREAMS_SCHEMA = pa.schema(
         ("refused_rows", pa.int64()),
         ("host", pa.string()),
         ("dp_rank", pa.int32()),
+        ("source", pa.string()),
     ]
 )
 _ADDED_STREAM_COLUMNS = ("duplicates", "refused_batches", "refused_rows")  # absent from files of the first release
 _ADDED_STREAM_METADATA = ("host", "dp_rank")  # absent from files before schema 3 (null there: not known)
+# Added with the KV-event source: every stream of an older file came from the plugin, so they get that value.
+_ADDED_STREAM_DEFAULTS = (("source", S.SOURCE_PLUGIN),)
 assert [f.name for f in STREAMS_SCHEMA] == [f.name for f in fields(StreamState)]
 
 
@@ -209,6 +214,10 @@ def _prepare(con: duckdb.DuckDBPyConnection, path: str, checkpoint_threshold: st
     for name in _ADDED_STREAM_METADATA:
         kind = _DUCKDB_TYPES[STREAMS_SCHEMA.field(name).type]
         con.execute(f"ALTER TABLE {streams_table} ADD COLUMN IF NOT EXISTS {quote(name)} {kind}")
+    for name, default in _ADDED_STREAM_DEFAULTS:
+        kind = _DUCKDB_TYPES[STREAMS_SCHEMA.field(name).type]
+        con.execute(f"ALTER TABLE {streams_table} ADD COLUMN IF NOT EXISTS {quote(name)} {kind} "
+                    f"DEFAULT '{default}'")
 
 
 def load_streams(con: duckdb.DuckDBPyConnection) -> dict[str, StreamState]:

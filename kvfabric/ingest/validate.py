@@ -98,6 +98,7 @@ class StreamMeta:
     protocol: int = 1  # metadata kvfabric.protocol: 2 = the collector acknowledges commits (contract/protocol.py)
     host: str | None = None  # metadata kvfabric.host (optional: absent from older hooks)
     dp_rank: int | None = None  # metadata kvfabric.dp_rank (optional)
+    source: str = S.SOURCE_PLUGIN  # metadata kvfabric.source (absent: the plugin); kv_events: kvfabric.kvevents
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,9 @@ def parse_stream_meta(schema: pa.Schema) -> StreamMeta:
             json.loads(settings)
         except ValueError as e:
             raise BadStream(SCHEMA_MISMATCH, f"metadata {S.META_SETTINGS} is not JSON") from e
+    source = meta.get(S.META_SOURCE) or S.SOURCE_PLUGIN
+    if source not in S.SOURCES:
+        raise BadStream(SCHEMA_MISMATCH, f"metadata {S.META_SOURCE}={source[:40]!r} is not one of {S.SOURCES}")
     raw_rank = meta.get(S.META_DP_RANK)
     dp_rank = None
     if raw_rank:
@@ -225,6 +229,7 @@ def parse_stream_meta(schema: pa.Schema) -> StreamMeta:
         protocol=protocol,
         host=meta.get(S.META_HOST) or None,
         dp_rank=dp_rank,
+        source=source,
     )
 
 

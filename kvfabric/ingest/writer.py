@@ -458,16 +458,18 @@ class EventWriter:
                     block_size=m.block_size, num_blocks=m.num_blocks, policy=m.policy, settings=m.settings,
                     schema_version=m.schema_version, peer=item.peer,
                     first_seen_ns=old.first_seen_ns if old else item.received_ns, last_seen_ns=item.received_ns,
-                    host=m.host, dp_rank=m.dp_rank,
+                    host=m.host, dp_rank=m.dp_rank, source=m.source,
                 )
                 if old is not None:  # a reconnect: keep the accounting, refresh the metadata
                     for name in ("connections", "batches", "rows", "last_seq", "gaps", "seq_resets",
                                  "first_ts_ns", "last_ts_ns", "duplicates", "refused_batches", "refused_rows"):
                         setattr(st, name, getattr(old, name))
-                    if (old.run_id, old.engine, old.block_size) != (m.run_id, m.engine, m.block_size):
+                    if not item.refresh and (old.run_id, old.engine, old.block_size) != (m.run_id, m.engine,
+                                                                                          m.block_size):
                         log.warning("stream %r reconnected with other metadata (run %r engine %r block_size %d)",
                                     m.stream_id, m.run_id, m.engine, m.block_size)
-                st.connections += 1
+                if not item.refresh:
+                    st.connections += 1
                 states[m.stream_id] = st
                 continue
             st = states.get(item.stream_id)

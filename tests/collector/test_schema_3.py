@@ -30,7 +30,7 @@ def schema_2_file(path: str) -> None:
         f"{quote(f.name)} {TYPES[str(f.type)]}{'' if f.nullable else ' NOT NULL'}" for f in old_events) + ")")
     con.execute("INSERT INTO events (seq, ts_ns, event, run_id, engine, block_hash, reason) "
                 "VALUES (0, 1, 'block_evicted', 'old', 'e', 7, 'pressure')")
-    old_streams = [f for f in STREAMS_SCHEMA if f.name not in ("host", "dp_rank")]
+    old_streams = [f for f in STREAMS_SCHEMA if f.name not in ("host", "dp_rank", "source")]
     con.execute("CREATE TABLE streams (" + ", ".join(f"{quote(f.name)} {TYPES[str(f.type)]}" for f in old_streams)
                 + ")")
     con.execute("INSERT INTO streams (stream_id, run_id, engine, block_size, num_blocks, policy, schema_version, "
@@ -54,7 +54,7 @@ def test_a_schema_2_file_is_upgraded_in_place(tmp_path: Path) -> None:
             (7, "pressure", None, None, None, None)]
         assert [r[0] for r in con.execute("DESCRIBE streams").fetchall()] == [f.name for f in STREAMS_SCHEMA]
         (state,) = load_streams(con).values()
-        assert (state.stream_id, state.rows, state.host, state.dp_rank) == ("s", 1, None, None)
+        assert (state.stream_id, state.rows, state.host, state.dp_rank, state.source) == ("s", 1, None, None, "plugin")
         # The upgraded file takes schema-3 rows.
         con.execute("INSERT INTO events (seq, ts_ns, event, run_id, engine, host, dp_rank, tenant, lora) "
                     "VALUES (1, 2, 'prefix_lookup', 'new', 'e', 'node-a', 1, 'tenant-1', 'adapter-x')")
