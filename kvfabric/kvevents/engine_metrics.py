@@ -129,13 +129,18 @@ class EngineMetricsScraper:
             body["url"] = self.target.url
         return body
 
-    def _run(self) -> None:
+    def _open_stream(self) -> KvStream:
+        """The engine's counter stream, numbered on from its committed ``last_seq`` (a restarted collector)."""
         t = self.target
         sid = metrics_stream_id(t.engine)
         self._seq = self.ctx.resume_seq(sid) + 1
         self.stream = KvStream(self.ctx, sid, Labels(engine=t.engine, run_id=t.run_id, host=t.host,
                                                      settings={"source": "kv_events", "engine_metrics": t.url},
                                                      peer=f"engine-metrics {t.url}"), register=False)
+        return self.stream
+
+    def _run(self) -> None:
+        t = self.target
         try:
             while True:
                 self.scrape_once()
@@ -184,6 +189,6 @@ class EngineMetricsScraper:
         if dq <= 0 and dh <= 0:
             return
         rows = counter_rows(engine, self.target.run_id, self.target.host, now_ns, int(dq), int(dh))
-        assert self.stream is not None
-        self.stream.put(self._seq, rows_batch(rows, self._seq), now_ns, now_ns)
+        stream = self.stream or self._open_stream()
+        stream.put(self._seq, rows_batch(rows, self._seq), now_ns, now_ns)
         self._seq += 1

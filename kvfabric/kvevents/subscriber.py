@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -54,6 +55,7 @@ DONE = "done"  # the end marker came
 TIMEOUT = "timeout"  # the replay socket stopped answering
 DROPPED = "dropped"  # a reply skipped a seq the publisher held (dropped on the way): ask again
 RESTART = "restart"  # the publisher holds the anchor seq with a later timestamp: another incarnation
+EMPTY = "empty"  # the end marker came first: the publisher holds nothing from the requested seq on
 _DRAIN = 1000  # live messages read per poll before the monitor and the stop flag are looked at again
 
 
@@ -283,6 +285,9 @@ class KvEventsSubscriber:
             self._replay_from_expected()
         elif outcome == DROPPED:
             self._replay_from_expected()
+        elif outcome == EMPTY and verify is not None:
+            # The publisher that placed seq A holds A or later; one holding only earlier seqs restarted since.
+            self._replay(0, None, first=lambda: self._restarted(f"it holds nothing from seq {start} on"))
 
     def _fill(self, upto: int) -> None:
         """A live ``upto`` past ``expected``: replay the hole; lose what cannot be had."""
@@ -294,15 +299,19 @@ class KvEventsSubscriber:
             self._skip(upto, KV_LOSS_REPLAY)
 
     def _replay_from_expected(self, upto: int | None = None) -> None:
+        """Replay from ``expected`` (up to ``upto`` excluded: the live socket holds the rest), asking again while
+        a reply skipped a seq."""
         for _ in range(D.KV_EVENTS_REPLAY_ATTEMPTS):
             if upto is not None and self.expected >= upto:
                 return
-            if self._replay(self.expected, None) != DROPPED:
+            if self._replay(self.expected, None, limit=upto) != DROPPED:
                 return
 
-    def _replay(self, start: int, verify: tuple[int, int | None] | None) -> str:
+    def _replay(self, start: int, verify: tuple[int, int | None] | None,
+                first: Callable[[], None] | None = None, limit: int | None = None) -> str:
         """One replay request from ``start``; places what comes in order. ``verify``: the anchor (seq, ts_ns) to
-        recognise the publisher by (``start`` is then its seq)."""
+        recognise the publisher by (``start`` is then its seq); ``first``: called before the first frame is
+        placed; ``limit``: the first seq not wanted (the rest of the answer is abandoned)."""
         assert self.spec.replay is not None and self._zmq is not None
         self.replays += 1
         self.ctx.metrics.kv_replays.labels(self.spec.engine).inc()
@@ -314,6 +323,9 @@ class KvEventsSubscriber:
                 if self._topic is not None and msg.topic != self._topic:
                     self._bad(WireError(TOPIC, f"replayed topic {msg.topic[:40]!r}, expected {self._topic!r}"))
                     continue
+                if first is not None:
+                    first()
+                    first = None
                 seq = msg.seq
                 if verify is not None:
                     anchor_seq, anchor_ts = verify
@@ -325,6 +337,8 @@ class KvEventsSubscriber:
                         previous = seq
                         continue  # placed (or committed) already
                     self._confirm()  # the buffer moved past the anchor: cannot tell; the same publisher
+                if limit is not None and seq >= limit:
+                    return DONE if previous is not None else EMPTY
                 if seq < self.expected:
                     previous = seq
                     continue
@@ -338,7 +352,7 @@ class KvEventsSubscriber:
             self.ctx.log(logging.WARNING, f"kv-replay:{self.spec.engine}", "kv-events %s: replay from seq %d "
                          "failed: %s", self.spec.engine, start, e)
             return TIMEOUT
-        return DONE
+        return DONE if previous is not None else EMPTY
 
     def _same_publisher(self, msg: Message, anchor_ts: int | None) -> bool:
         if anchor_ts is None:
@@ -384,6 +398,7 @@ class KvEventsSubscriber:
         return Converter(engine=self.spec.engine, run_id=self.spec.run_id, host=self.spec.host)
 
     def _restarted(self, why: str) -> None:
+        self.candidate = None
         if self.stream is not None:
             self.stream.closed(by_collector=False, why=f"the publisher restarted ({why})")
         self._count_restart(why)
