@@ -28,6 +28,7 @@ from kvfabric.analysis.traffic import RecordedAdmission, mean_concurrency, recor
 from kvfabric.argtypes import int_range, positive_int
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.queries import BadParameter, DatabaseUnavailable, QueryRunner, UnknownRun
+from kvfabric.queries import availability as A
 from kvfabric.queries.sources import add_source_arguments, runner_from_args, source_label
 from kvfabric.sim.offline import simulate
 from kvfabric.usage import UsageError
@@ -80,6 +81,8 @@ def whatif(
         raise BadParameter(f"concurrency must be at least 1, got {concurrency}")
     engines = {e["engine"]: e for e in runner.run_engines(run)}
     summary = runner.run_summary(run)
+    if not A.has_lookups(summary["sources"]):
+        return unavailable(run, policy, num_blocks, summary)
     traffic = recorded_traffic(runner, run)
     if max_admissions is not None and len(traffic) > max_admissions:
         raise BadParameter(f"run {run!r} has {len(traffic)} admissions, more than the {max_admissions} this "
@@ -155,7 +158,29 @@ def whatif(
         "predicted_change": whatif_rate - own_rate,
         "tolerance": TOLERANCE,
         "within_tolerance": abs(error) <= TOLERANCE,
+        "unavailable": None,
     }
+
+
+def unavailable(run: str, policy: str | None, num_blocks: int | None, summary: dict[str, Any]) -> dict[str, Any]:
+    """The what-if of a run whose events carry no lookups (vLLM's KV events): no admissions to replay, so every
+    replayed or looked-up number is null and ``unavailable`` says why; what the run had in evictions stays."""
+    out: dict[str, Any] = dict.fromkeys(_NUMBERS)
+    out.update({
+        "run_id": run, "policy": policy, "num_blocks": num_blocks, "admissions": 0, "engines": [],
+        "actual_policy": ", ".join(summary["policies"]) or None,
+        "actual_wasted_prefill_tokens": int(summary["wasted_prefill_tokens"]),
+        "actual_evicted_blocks": int(summary["evicted_blocks"]),
+        "tolerance": TOLERANCE, "unavailable": A.NO_LOOKUPS,
+    })
+    return out
+
+
+_NUMBERS: tuple[str, ...] = (
+    "prompt_tokens", "actual_prefix_hit_rate", "whatif_prefix_hit_rate", "whatif_wasted_prefill_tokens",
+    "whatif_evicted_blocks", "optimal_prefix_hit_rate", "optimal_wasted_prefill_tokens", "replay_own_prefix_hit_rate",
+    "replay_own_wasted_prefill_tokens", "replay_own_error", "predicted_change", "within_tolerance",
+)
 
 
 def _rate(hit: int, prompt: int) -> float:
@@ -216,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(out: dict[str, Any]) -> None:
+    if out.get("unavailable"):
+        print(f"What-if for run {out['run_id']}: {out['unavailable']} ({out['actual_evicted_blocks']:,} evicted "
+              f"blocks, {out['actual_wasted_prefill_tokens']:,} wasted prefill tokens recorded)")
+        return
     engines = out["engines"]
     conc = ", ".join(f"{e['engine']}: {e['concurrency']} (mean {e['mean_in_flight']:.2f})" for e in engines)
     print(f"What-if for run {out['run_id']}: {out['admissions']:,} admissions, {out['prompt_tokens']:,} prompt tokens")

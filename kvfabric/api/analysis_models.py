@@ -3,6 +3,9 @@
 Token splits: ``hit_tokens + evicted_tokens + novel_tokens + uncacheable_tokens == prompt_tokens`` in every split
 (admission, family, window, run). ``hit_tokens`` counts prompt tokens only: a request resumed after a preemption
 can hit its own earlier output too, which ``hit_tokens_past_prompt`` reports.
+
+All three need lookups, which vLLM's KV events (source ``kv_events``) do not carry: for a run of that source alone
+the answer has no split (null, empty lists) and ``unavailable`` says why (kvfabric/queries/availability.py).
 """
 
 from __future__ import annotations
@@ -30,14 +33,19 @@ class WindowMisses(MissSplit):
     window_start_ns: int = Field(description="start of the window (run's first event + k * bucket_s)")
 
 
+def _unavailable() -> object:
+    return Field(None, description="why this run has no answer here (its events carry no lookups); null when it has")
+
+
 class RunMisses(BaseModel):
     run_id: str
     bucket_s: float
-    totals: MissSplit
+    totals: MissSplit | None = Field(description="null when unavailable")
     items: list[FamilyMisses] = Field(description="one per family, most evicted tokens first")
     windows: list[WindowMisses] = Field(description="admissions by lookup time, windows without any omitted")
     evictions_by_reason: dict[str, int] = Field(description="block_evicted rows by reason: pressure, connector, "
                                                             "reset, unknown")
+    unavailable: str | None = _unavailable()
 
 
 class TokenSplit(BaseModel):
@@ -92,6 +100,7 @@ class RequestStory(BaseModel):
     request_id: str
     runs: list[str]
     admissions: list[StoryAdmission]
+    unavailable: str | None = _unavailable()
 
 
 class WhatIfEngine(BaseModel):
@@ -109,24 +118,49 @@ class WhatIfEngine(BaseModel):
 
 
 class WhatIf(BaseModel):
+    """The replays and what the run had; every number null (and ``unavailable`` set) for a run whose events carry
+    no lookups, since there is no traffic to replay."""
+
     run_id: str
-    policy: str
+    policy: str | None
     num_blocks: int | None
     admissions: int
-    prompt_tokens: int
+    prompt_tokens: int | None
     engines: list[WhatIfEngine]
-    actual_policy: str
-    actual_prefix_hit_rate: float
+    actual_policy: str | None
+    actual_prefix_hit_rate: float | None
     actual_wasted_prefill_tokens: int
     actual_evicted_blocks: int
-    whatif_prefix_hit_rate: float
-    whatif_wasted_prefill_tokens: int
-    whatif_evicted_blocks: int
-    optimal_prefix_hit_rate: float
-    optimal_wasted_prefill_tokens: int
-    replay_own_prefix_hit_rate: float = Field(description="the replay under the run's own policy and capacity")
-    replay_own_wasted_prefill_tokens: int
-    replay_own_error: float = Field(description="replay_own_prefix_hit_rate - actual_prefix_hit_rate")
-    predicted_change: float = Field(description="whatif_prefix_hit_rate - replay_own_prefix_hit_rate")
+    whatif_prefix_hit_rate: float | None
+    whatif_wasted_prefill_tokens: int | None
+    whatif_evicted_blocks: int | None
+    optimal_prefix_hit_rate: float | None
+    optimal_wasted_prefill_tokens: int | None
+    replay_own_prefix_hit_rate: float | None = Field(description="the replay under the run's own policy and capacity")
+    replay_own_wasted_prefill_tokens: int | None
+    replay_own_error: float | None = Field(description="replay_own_prefix_hit_rate - actual_prefix_hit_rate")
+    predicted_change: float | None = Field(description="whatif_prefix_hit_rate - replay_own_prefix_hit_rate")
     tolerance: float = Field(description="stated bound on |replay_own_error|")
-    within_tolerance: bool
+    within_tolerance: bool | None
+    unavailable: str | None = _unavailable()
+
+
+class Lifetimes(BaseModel):
+    """Seconds from a block's seal (its latest before the eviction, same engine and hash) to its eviction."""
+
+    evicted_blocks: int = Field(description="evictions paired with their seal")
+    without_seal: int = Field(description="evictions whose seal the run does not hold (sealed before recording)")
+    mean_s: float | None
+    p50_s: float | None
+    p90_s: float | None
+    max_s: float | None
+
+
+class FamilyLifetimes(Lifetimes):
+    family: str | None
+
+
+class RunLifetimes(BaseModel):
+    run_id: str
+    totals: Lifetimes
+    items: list[FamilyLifetimes] = Field(description="one per family, most evicted first")

@@ -21,6 +21,7 @@ from kvfabric.api.dependencies import reject_unknown_query_params, require_token
 from kvfabric.api.errors import install_error_handlers
 from kvfabric.api.routers import blocks, evictions, families, fleet, runs, system
 from kvfabric.api.routers import engines as engines_router
+from kvfabric.api.routers import lifetimes as lifetimes_router
 from kvfabric.api.routers import misses as misses_router
 from kvfabric.api.routers import whatif as whatif_router
 from kvfabric.queries import QueryRunner
@@ -76,7 +77,8 @@ def create_app(
     app.state.token = token if token is not None else (str(settings_table.read(TOKEN_ENV)) or None)
     install_error_handlers(app)
     api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(require_token)])
-    for module in (runs, families, evictions, blocks, misses_router, whatif_router, engines_router, fleet):
+    for module in (runs, families, evictions, blocks, misses_router, lifetimes_router, whatif_router, engines_router,
+                   fleet):
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(system.router)

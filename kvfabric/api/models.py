@@ -2,12 +2,29 @@
 
 Conventions: ``*_ns`` are nanoseconds since the epoch (int64), ``*_s`` seconds; block hashes are signed 64-bit
 integers as stored (``block_hash_hex`` gives the 16-hex-digit form family ids use). Ratios are 0 when their
-denominator is 0; a mean over no samples is null.
+denominator is 0; a mean over no samples is null. A number the event source cannot give (lookups, from vLLM's KV
+events) is null and named in ``unavailable`` with the reason (kvfabric/queries/availability.py), never 0.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field
+
+
+def _sources() -> Any:
+    return Field(default_factory=list, description="event sources of the streams counted: plugin, kv_events")
+
+
+def _hit_rate_from() -> Any:
+    return Field(None, description="lookups (the plugin's prefix_lookup rows) or engine_counters (vLLM's own "
+                                   "prefix-cache counters, scraped); null when unavailable")
+
+
+def _unavailable() -> Any:
+    return Field(default_factory=dict, description="fields the event source cannot give (null here), each with the "
+                                                   "reason; empty when every field is answered")
 
 
 class ErrorBody(BaseModel):
@@ -32,16 +49,16 @@ class RunSummary(BaseModel):
     """docs/design.md §5 for one run. The first ten fields are the contract; the rest are context."""
 
     run_id: str
-    prompt_tokens: int
-    prefix_hit_tokens: int
-    prefix_hit_rate: float
+    prompt_tokens: int | None
+    prefix_hit_tokens: int | None
+    prefix_hit_rate: float | None
     evicted_blocks: int
     shared_anchor_eviction_ratio: float
     protected_eviction_ratio: float
     rebuilt_from_eviction_blocks: int
-    regretful_evictions: int
+    regretful_evictions: int | None
     wasted_prefill_tokens: int
-    requests: int = Field(description="admissions (prefix_lookup rows)")
+    requests: int | None = Field(description="admissions (prefix_lookup rows)")
     events: int
     shared_anchor_evictions: int
     protected_evictions: int
@@ -55,25 +72,30 @@ class RunSummary(BaseModel):
     first_ts_ns: int | None
     last_ts_ns: int | None
     events_by_type: dict[str, int]
-    evicted_tokens: int = Field(0, description="prompt tokens in blocks the engine had cached and lost (§5)")
-    novel_tokens: int = Field(0, description="prompt tokens in blocks the engine had never cached (§5)")
-    uncacheable_tokens: int = Field(0, description="last-token blocks, gate-refused or never computed blocks (§5)")
-    hit_tokens_past_prompt: int = Field(
+    evicted_tokens: int | None = Field(0, description="prompt tokens in blocks the engine had cached and lost (§5)")
+    novel_tokens: int | None = Field(0, description="prompt tokens in blocks the engine had never cached (§5)")
+    uncacheable_tokens: int | None = Field(
+        0, description="last-token blocks, gate-refused or never computed blocks (§5)"
+    )
+    hit_tokens_past_prompt: int | None = Field(
         0, description="hits of resumed requests beyond their prompt: prefix_hit_tokens - hit_tokens_past_prompt "
                        "+ evicted + novel + uncacheable = prompt_tokens"
     )
     evictions_by_reason: dict[str, int] = Field(
         default_factory=dict, description="evicted blocks by reason: pressure, connector, reset, unknown"
     )
+    sources: list[str] = _sources()
+    prefix_hit_rate_from: str | None = _hit_rate_from()
+    unavailable: dict[str, str] = _unavailable()
 
 
 class FamilyStats(BaseModel):
     run_id: str
     family: str | None
-    requests: int
-    prompt_tokens: int
-    prefix_hit_tokens: int
-    prefix_hit_rate: float
+    requests: int | None
+    prompt_tokens: int | None
+    prefix_hit_tokens: int | None
+    prefix_hit_rate: float | None
     evicted_blocks: int
     shared_anchor_evictions: int
     shared_anchor_eviction_ratio: float
@@ -81,7 +103,10 @@ class FamilyStats(BaseModel):
     rebuilt_blocks: int
     wasted_prefill_tokens: int
     mean_time_to_rebuild_s: float | None
-    regretful_evictions: int
+    regretful_evictions: int | None
+    sources: list[str] = _sources()
+    prefix_hit_rate_from: str | None = _hit_rate_from()
+    unavailable: dict[str, str] = _unavailable()
 
 
 class DepthStats(BaseModel):
@@ -144,7 +169,8 @@ class BlockHistory(BaseModel):
 class Comparison(BaseModel):
     a: RunSummary
     b: RunSummary
-    delta: dict[str, float] = Field(description="b - a for every numeric summary field")
+    delta: dict[str, float | None] = Field(description="b - a for every numeric summary field (null where a or b "
+                                                   "cannot give it)")
 
 
 class KvEventsHealth(BaseModel):
@@ -233,10 +259,12 @@ class FleetCounts(BaseModel):
     """The fleet overview's numbers (docs/design.md §5 definitions, as in the run summary), over the time window."""
 
     runs: list[str] = Field(description="runs with events (or, without a window, streams) here")
-    requests: int = Field(description="admissions (prefix_lookup rows)")
-    prompt_tokens: int
-    hit_tokens: int = Field(description="prompt tokens served from the prefix cache (run summary: prefix_hit_tokens)")
-    prefix_hit_rate: float = Field(description="hit_tokens / prompt_tokens")
+    requests: int | None = Field(description="admissions (prefix_lookup rows)")
+    prompt_tokens: int | None
+    hit_tokens: int | None = Field(
+        description="prompt tokens served from the prefix cache (run summary: prefix_hit_tokens)"
+    )
+    prefix_hit_rate: float | None = Field(description="hit_tokens / prompt_tokens")
     evicted_blocks: int
     shared_anchor_evictions: int = Field(description="evicted blocks with share_degree >= 2")
     shared_anchor_eviction_ratio: float = Field(description="shared_anchor_evictions / evicted_blocks")
@@ -249,16 +277,23 @@ class FleetCounts(BaseModel):
                                                    "in seconds; null without a stored event")
     first_ts_ns: int | None
     last_ts_ns: int | None
+    sources: list[str] = _sources()
+    unavailable: dict[str, str] = _unavailable()
 
 
 class FleetEngine(FleetCounts):
     host: str = Field(description="the events' host column ('' for rows that carry none)")
     engine: str
     dp_rank: int | None
+    prefix_hit_rate_from: str | None = _hit_rate_from()
 
 
 class FleetTotals(FleetCounts):
-    """The engines' counts summed, ratios recomputed from the sums, ingest_lag_s their maximum."""
+    """The engines' counts summed, ratios recomputed from the sums, ingest_lag_s their maximum. A lookup number
+    sums the engines that have one, and is null (in unavailable) when none has."""
+
+    prefix_hit_rate_from: list[str] = Field(default_factory=list,
+                                            description="where the engines' hit rates summed here come from")
 
     hosts: int
     engines: int

@@ -13,6 +13,7 @@ from typing import Any
 from kvfabric.argtypes import duration, int_range
 from kvfabric.collector.columns import aligned
 from kvfabric.queries import BadParameter, DatabaseUnavailable, QueryTimeout, UnknownRun
+from kvfabric.queries import availability as A
 from kvfabric.queries.sources import add_source_arguments, runner_from_args, source_label
 from kvfabric.usage import UsageError
 
@@ -27,6 +28,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 )
 """The table's columns: (title, field of an ``engines`` item or of ``totals``)."""
 _RATIOS = ("prefix_hit_rate", "shared_anchor_eviction_ratio")
+NOT_AVAILABLE = "n/a"
+FROM_COUNTERS_MARK = "*"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -56,13 +59,39 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
+def _row(item: dict[str, Any]) -> list[str]:
+    """One engine's (or the totals') cells: ``n/a`` where its source cannot give the number, a ``*`` after a hit
+    rate taken from the engine's own counters."""
+    missing = item.get("unavailable") or {}
+    cells = []
+    for _, k in COLUMNS:
+        cell = NOT_AVAILABLE if k in missing else _cell(k, item.get(k))
+        if k == "prefix_hit_rate" and A.FROM_COUNTERS in _origins(item):
+            cell += FROM_COUNTERS_MARK
+        cells.append(cell)
+    return cells
+
+
+def _origins(item: dict[str, Any]) -> list[str]:
+    origin = item.get("prefix_hit_rate_from")
+    return list(origin) if isinstance(origin, list) else [origin] if origin else []
+
+
 def table_lines(overview: dict[str, Any]) -> list[str]:
-    """The overview as aligned lines: a header, one row per (host, engine), then the TOTAL row."""
-    rows = [[_cell(k, e.get(k)) for _, k in COLUMNS] for e in overview["engines"]]
+    """The overview as aligned lines: a header, one row per (host, engine), then the TOTAL row, then a footnote
+    for each mark the table uses (``n/a``, ``*``)."""
+    rows = [_row(e) for e in overview["engines"]]
     t = overview["totals"]
-    total = [_cell(k, t.get(k)) for _, k in COLUMNS]
+    total = _row(t)
     total[0], total[1], total[2] = f"TOTAL ({t['hosts']} hosts)", f"{t['engines']} engines", ""
-    return aligned([title for title, _ in COLUMNS], [*rows, total])
+    lines = aligned([title for title, _ in COLUMNS], [*rows, total])
+    items = [*overview["engines"], t]
+    if any(item.get("unavailable") for item in items):
+        lines.append(f"{NOT_AVAILABLE}: {A.NO_LOOKUPS}")
+    if any(A.FROM_COUNTERS in _origins(item) for item in items):
+        lines.append(f"{FROM_COUNTERS_MARK}: hit rate {A.FROM_COUNTERS_TEXT} (vLLM's prefix_cache_queries and "
+                     "prefix_cache_hits; a TOTAL with * adds them to other engines' lookups)")
+    return lines
 
 
 def window_text(overview: dict[str, Any]) -> str:

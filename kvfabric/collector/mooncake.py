@@ -24,6 +24,7 @@ from typing import Any
 
 from kvfabric.analysis.traffic import recorded_traffic, trace_rows
 from kvfabric.queries import DatabaseUnavailable, QueryRunner, UnknownRun
+from kvfabric.queries import availability as A
 from kvfabric.usage import UsageError, unwritable
 
 
@@ -34,10 +35,12 @@ def export_mooncake(db_path: str, run: str, out_path: str, *, engine: str | None
     tokens not a multiple of the run's block size, or no admission to export)."""
     if block_tokens < 1:
         raise ValueError(f"--block-tokens must be positive, got {block_tokens}")
-    admissions = recorded_traffic(QueryRunner.for_path(db_path), run, engine)
+    runner = QueryRunner.for_path(db_path)
+    admissions = recorded_traffic(runner, run, engine)
     if not admissions:
         where = f" on engine {engine!r}" if engine else ""
-        raise ValueError(f"run {run!r} has no admission{where} to export")
+        why = "" if A.has_lookups(runner.sources(run)) else f" ({A.NO_LOOKUPS})"
+        raise ValueError(f"run {run!r} has no admission{where} to export{why}")
     rows = trace_rows(admissions, block_tokens)
     directory = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(directory, exist_ok=True)

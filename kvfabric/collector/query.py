@@ -25,6 +25,7 @@ from kvfabric.queries import (
     UnknownRun,
     parse_block_hash,
 )
+from kvfabric.queries import availability as A
 from kvfabric.queries.sources import add_source_arguments, connector, lake_from_args, source_label
 from kvfabric.usage import UsageError
 
@@ -153,15 +154,27 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+NOT_AVAILABLE = "n/a"
+"""A table cell of a field the event source cannot give; a footnote under the table says why."""
+
+
 def _print_sections(result: dict[str, Any]) -> None:
-    """``misses`` and ``request`` answers: a few tables, each under a title."""
+    """``misses``, ``lifetimes`` and ``request`` answers: a few tables, each under a title."""
+    if result.get("unavailable"):
+        subject = f"run {result['run_id']}" if "run_id" in result else f"request {result['request_id']}"
+        print(f"{subject}: {result['unavailable']}")
+        if "evictions_by_reason" in result:
+            print(f"evictions by reason: {_cell(result['evictions_by_reason'])}")
+        return
     if "totals" in result:
         print(f"run {result['run_id']}: {_cell(result['totals'])}")
-        print(f"evictions by reason: {_cell(result['evictions_by_reason'])}")
+        if "evictions_by_reason" in result:
+            print(f"evictions by reason: {_cell(result['evictions_by_reason'])}")
         print("\nby family")
         _print_table(result["items"])
-        print(f"\nby window of {result['bucket_s']:g} s")
-        _print_table(result["windows"])
+        if "windows" in result:
+            print(f"\nby window of {result['bucket_s']:g} s")
+            _print_table(result["windows"])
         return
     for a in result["admissions"]:
         print(f"{result['request_id']}  run {a['run_id']}  engine {a['engine']}  admission {a['admission']}  "
@@ -189,10 +202,11 @@ def _print_table(result: Any) -> None:
             print(f"(more rows: repeat with --cursor {result['next_cursor']} for the next page)")
         return
     if isinstance(result, dict):
-        scalars = {k: v for k, v in result.items() if not _is_rows(v)}
+        scalars = {k: v for k, v in result.items() if not _is_rows(v) and k != "unavailable"}
+        missing = result.get("unavailable") or {}
         width = max((len(str(k)) for k in scalars), default=0)
         for k, v in scalars.items():
-            print(f"{k:<{width}}  {_cell(v)}")
+            print(f"{k:<{width}}  {_marked(k, v, result, missing)}")
         for k, v in result.items():
             if _is_rows(v):
                 print(f"\n{k}")
@@ -205,8 +219,21 @@ def _print_table(result: Any) -> None:
         for v in result:
             print(_cell(v))
         return
-    cols = list(result[0])
-    print("\n".join(aligned(cols, [[_cell(r.get(c)) for c in cols] for r in result])))
+    cols = [c for c in result[0] if c != "unavailable"]
+    print("\n".join(aligned(cols, [[NOT_AVAILABLE if c in (r.get("unavailable") or {}) else _cell(r.get(c))
+                                     for c in cols] for r in result])))
+    reasons = sorted({why for r in result for why in (r.get("unavailable") or {}).values()})
+    for why in reasons:
+        print(f"{NOT_AVAILABLE}: {why}")
+
+
+def _marked(key: str, value: Any, result: dict[str, Any], missing: dict[str, str]) -> str:
+    """One value of a single-object answer, or the reason it is missing, or where a hit rate came from."""
+    if key in missing:
+        return missing[key]
+    if key == "prefix_hit_rate" and result.get("prefix_hit_rate_from") == A.FROM_COUNTERS:
+        return f"{_cell(value)}  ({A.FROM_COUNTERS_TEXT})"
+    return _cell(value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,6 +253,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, default=str))
     else:
         _print_table(result)
+        if args.name == "admission_misses" and not result:  # a list cannot say why it is empty: say it here
+            sources = QueryRunner(connector(args.db, lake_from_args(args))).sources(params["run"])
+            if not A.has_lookups(sources):
+                print(f"run {params['run']}: {A.NO_LOOKUPS}")
     limit = row_limit(args.name, params)
     rows = result.get("events") if isinstance(result, dict) else result  # block_history: its events
     if limit is not None and isinstance(rows, list) and len(rows) >= limit:

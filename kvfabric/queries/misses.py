@@ -73,6 +73,21 @@ def misses_response(run: str, bucket_s: float, rows: list[Row], reasons: list[Ro
         "items": items,
         "windows": windows,
         "evictions_by_reason": evictions_by_reason(reasons),
+        "unavailable": None,
+    }
+
+
+def unavailable_response(run: str, bucket_s: float, reasons: list[Row], why: str) -> Row:
+    """The ``/runs/{run}/misses`` body of a run whose events have no lookups to split (vLLM's KV events): no
+    totals, families or windows, and ``unavailable`` saying why; its evictions by reason still count."""
+    return {
+        "run_id": run,
+        "bucket_s": bucket_s,
+        "totals": None,
+        "items": [],
+        "windows": [],
+        "evictions_by_reason": evictions_by_reason(reasons),
+        "unavailable": why,
     }
 
 
@@ -154,4 +169,4 @@ def story_response(request_id: str, rows: list[Row]) -> Row:
     for a in admissions:
         del a["_key"]
     runs = sorted({a["run_id"] for a in admissions})
-    return {"request_id": request_id, "runs": runs, "admissions": admissions}
+    return {"request_id": request_id, "runs": runs, "admissions": admissions, "unavailable": None}

@@ -8,7 +8,9 @@ Invariants:
     user input), and file connections are opened ``read_only=True``;
   * bounded: list queries take a ``limit`` (at most :data:`MAX_LIMIT`), and every statement is interrupted after
     ``timeout_s`` seconds (:class:`QueryTimeout`);
-  * unknown runs raise :class:`UnknownRun` (REST: 404); unusable parameters raise :class:`BadParameter` (422).
+  * unknown runs raise :class:`UnknownRun` (REST: 404); unusable parameters raise :class:`BadParameter` (422);
+  * a number the run's event source cannot give (lookups, on streams of vLLM's KV events) is null and named in
+    the answer's ``unavailable``, never 0 (:mod:`kvfabric.queries.availability`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import duckdb
 
 from kvfabric.contract import schema as S
+from kvfabric.queries import availability as A
 from kvfabric.queries import catalog
 from kvfabric.queries import misses as M
 from kvfabric.queries.params import BadParameter, Cursor, parse_block_hash
@@ -222,10 +225,22 @@ class QueryRunner:
 
     def _summary(self, con: duckdb.DuckDBPyConnection, run: str, dims: Dims = NO_DIMS) -> Row:
         row = self._rows(con, "run_summary", run=run, **dims.params())[0]
-        split = self._rows(con, "misses", run=run, bucket_ns=M.ONE_WINDOW_NS, with_admissions=False,
-                           **dims.params())
+        split = []
+        if A.has_lookups(row["sources"]):  # without lookups there is nothing to split (and nothing to scan for)
+            split = self._rows(con, "misses", run=run, bucket_ns=M.ONE_WINDOW_NS, with_admissions=False,
+                               **dims.params())
         row.update(M.summary_fields(split, self._rows(con, "eviction_reasons", run=run, **dims.params())))
-        return row
+        return A.apply(row, A.SUMMARY_LOOKUP_FIELDS)
+
+    def _sources(self, con: duckdb.DuckDBPyConnection, run: str) -> list[str]:
+        return A.normalised(r["source"] for r in self._rows(con, "run_sources", run=run))
+
+    def sources(self, run: str) -> list[str]:
+        """The event sources of ``run``'s streams (``plugin``, ``kv_events``; see
+        :mod:`kvfabric.queries.availability`)."""
+        with self._connection() as con:
+            self._require_run(con, run)
+            return self._sources(con, run)
 
     def families(
         self,
@@ -240,15 +255,17 @@ class QueryRunner:
         with self._connection() as con:
             if run is not None:
                 self._require_run(con, run)
-            return self._rows(con, "families", run=run, family=None, min_wasted_tokens=0, limit=_limit(limit),
+            rows = self._rows(con, "families", run=run, family=None, min_wasted_tokens=0, limit=_limit(limit),
                               **Dims(host, tenant, lora).params())
+        return [_family(r) for r in rows]
 
     def top_waste_families(self, run: str, n: int = 10) -> list[Row]:
         """The ``n`` families of ``run`` that wasted the most prefill (only families that wasted some)."""
         with self._connection() as con:
             self._require_run(con, run)
-            return self._rows(con, "families", run=run, family=None, min_wasted_tokens=1, limit=_limit(n, "n"),
+            rows = self._rows(con, "families", run=run, family=None, min_wasted_tokens=1, limit=_limit(n, "n"),
                               **NO_DIMS.params())
+        return [_family(r) for r in rows]
 
     def family_detail(self, run: str, family: str) -> Row:
         """One family of one run: its families row plus evictions and rebuilds by depth."""
@@ -258,7 +275,7 @@ class QueryRunner:
                               **NO_DIMS.params())
             if not rows:
                 raise NotFound(f"family {family!r} has no lookups, evictions or rebuilds in run {run!r}")
-            detail = rows[0]
+            detail = _family(rows[0])
             detail["by_depth"] = self._rows(con, "family_depth", run=run, family=family)
             return detail
 
@@ -316,7 +333,9 @@ class QueryRunner:
             self._require_run(con, b)
             sa = self._summary(con, a)
             sb = self._summary(con, b)
-        delta = {k: (sb[k] or 0) - (sa[k] or 0) for k in SUMMARY_NUMBERS}
+        # A number one run cannot give (unavailable) has no delta: a difference from nothing would read as a change.
+        delta = {k: None if k in sa["unavailable"] or k in sb["unavailable"] else (sb[k] or 0) - (sa[k] or 0)
+                 for k in SUMMARY_NUMBERS}
         return {"a": sa, "b": sb, "delta": delta}
 
     def rebuilt_exact(self, run: str) -> list[Row]:
@@ -332,6 +351,9 @@ class QueryRunner:
         bucket_ns = self._bucket_ns(bucket_s)
         with self._connection() as con:
             self._require_run(con, run)
+            if not A.has_lookups(self._sources(con, run)):
+                reasons = self._rows(con, "eviction_reasons", run=run, **NO_DIMS.params())
+                return M.unavailable_response(run, bucket_s, reasons, A.NO_LOOKUPS)
             span = self._rows(con, "run_span", run=run)[0]
             if span["first_ts_ns"] is not None and (span["last_ts_ns"] - span["first_ts_ns"]) // bucket_ns >= MAX_LIMIT:
                 raise BadParameter(f"bucket_s={bucket_s:g} cuts run {run!r} into more than {MAX_LIMIT} windows")
@@ -355,10 +377,27 @@ class QueryRunner:
         with self._connection() as con:
             if run is not None:
                 self._require_run(con, run)
+                if not A.has_lookups(self._sources(con, run)):
+                    return {"request_id": request_id, "runs": [run], "admissions": [], "unavailable": A.NO_LOOKUPS}
             rows = self._rows(con, "request_story", request=request_id, run=run)
         if not rows:
             raise NotFound(f"request {request_id!r} has no admission" + (f" in run {run!r}" if run else ""))
         return M.story_response(request_id, rows)
+
+    def lifetimes(self, run: str) -> Row:
+        """How long blocks stayed cached before their eviction (sql/lifetimes.sql): ``totals`` for the run, ``items``
+        per family (most evicted first); both sources answer it alike."""
+        with self._connection() as con:
+            self._require_run(con, run)
+            rows = self._rows(con, "lifetimes", run=run)
+        numbers = [{k: v for k, v in r.items() if k != "level"} for r in rows]
+        totals = next((n for n, r in zip(numbers, rows, strict=True) if r["level"] == "run"), None)
+        if totals is None:  # no eviction at all
+            totals = {"family": None, "evicted_blocks": 0, "without_seal": 0, "mean_s": None, "p50_s": None,
+                      "p90_s": None, "max_s": None}
+        del totals["family"]
+        items = [n for n, r in zip(numbers, rows, strict=True) if r["level"] == "family"]
+        return {"run_id": run, "totals": totals, "items": items}
 
     def admission_chains(self, run: str) -> list[Row]:
         """The run's recorded traffic, one row per admission in lookup order (sql/admission_chains.sql)."""
@@ -382,12 +421,8 @@ class QueryRunner:
             if run is not None:
                 self._require_run(con, run)
             rows = self._rows(con, "fleet", since_ns=since_ns, until_ns=until_ns, run=run)
-        engines = [{k: v for k, v in r.items() if k != "level"} for r in rows if r["level"] == "engine"]
-        [total] = [r for r in rows if r["level"] == "total"]
-        totals = {k: v for k, v in total.items() if k not in ("level", "host", "engine", "dp_rank")}
-        totals["hosts"] = len({e["host"] for e in engines})
-        totals["engines"] = len(engines)
-        return {"since_ns": since_ns, "until_ns": until_ns, "totals": totals, "engines": engines}
+        engines = [_fleet_engine(r) for r in rows]
+        return {"since_ns": since_ns, "until_ns": until_ns, "totals": _fleet_totals(engines), "engines": engines}
 
     @staticmethod
     def _bucket_ns(bucket_s: float) -> int:
@@ -414,6 +449,59 @@ class QueryRunner:
         return method(**params)
 
 
+def _family(row: Row) -> Row:
+    """A families row made honest about its source: a family has no engine counters (they count per engine)."""
+    return A.apply(row, A.FAMILY_LOOKUP_FIELDS, counters=False)
+
+
+def _fleet_engine(row: Row) -> Row:
+    """One fleet.sql row as the answer shows it (availability applied to the engine's sources)."""
+    return A.apply(row, A.FLEET_LOOKUP_FIELDS, hit_fields=A.FLEET_HIT_FIELDS)
+
+
+def _ratio(part: int | None, whole: int | None) -> float | None:
+    """part / whole; 0 when whole is 0 (as the SQL answers), None when either is unknown."""
+    if part is None or whole is None:
+        return None
+    return part / whole if whole else 0.0
+
+
+def _fleet_totals(engines: list[Row]) -> Row:
+    """The engines' counts summed, ratios recomputed from the sums, ``ingest_lag_s`` their maximum, and ``hosts``
+    and ``engines`` (how many). A lookup number sums the engines that have one (a hit rate from engine counters
+    included: ``prefix_hit_rate_from`` lists the origins); it is null, and named in ``unavailable``, when no
+    engine has it."""
+
+    def total(key: str) -> int | None:
+        values = [e[key] for e in engines if e[key] is not None]
+        if not values and engines and key in A.FLEET_LOOKUP_FIELDS:
+            return None
+        return sum(values)
+
+    def extreme(key: str, pick: Any) -> Any:
+        values = [e[key] for e in engines if e[key] is not None]
+        return pick(values) if values else None
+
+    t: Row = {"runs": sorted({r for e in engines for r in e["runs"]})}
+    for key in ("requests", "prompt_tokens", "hit_tokens"):
+        t[key] = total(key)
+    t["prefix_hit_rate"] = _ratio(t["hit_tokens"], t["prompt_tokens"])
+    t["evicted_blocks"] = total("evicted_blocks")
+    t["shared_anchor_evictions"] = total("shared_anchor_evictions")
+    t["shared_anchor_eviction_ratio"] = _ratio(t["shared_anchor_evictions"], t["evicted_blocks"])
+    for key in ("rebuilt_blocks", "wasted_prefill_tokens", "events", "sink_dropped_events", "sequence_gaps"):
+        t[key] = total(key)
+    t["ingest_lag_s"] = extreme("ingest_lag_s", max)
+    t["first_ts_ns"] = extreme("first_ts_ns", min)
+    t["last_ts_ns"] = extreme("last_ts_ns", max)
+    t["sources"] = A.normalised(s for e in engines for s in e["sources"])
+    t["prefix_hit_rate_from"] = sorted({e["prefix_hit_rate_from"] for e in engines} - {None})
+    t["unavailable"] = {k: A.NO_LOOKUPS for k in A.FLEET_LOOKUP_FIELDS if t[k] is None}
+    t["hosts"] = len({e["host"] for e in engines})
+    t["engines"] = len(engines)
+    return t
+
+
 QUERY_NAMES: tuple[str, ...] = (
     "runs",
     "run_summary",
@@ -427,5 +515,6 @@ QUERY_NAMES: tuple[str, ...] = (
     "misses",
     "admission_misses",
     "request",
+    "lifetimes",
     "fleet",
 )

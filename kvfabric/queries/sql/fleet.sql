@@ -1,6 +1,6 @@
--- fleet($since_ns, $until_ns, $run): the fleet overview, one row per (host, engine) (level 'engine', ordered by
--- host, engine) and one row of totals over those rows (level 'total', last). $run NULL: every run; time range on
--- ts_ns, since_ns inclusive, until_ns exclusive (NULL: unbounded).
+-- fleet($since_ns, $until_ns, $run): the fleet overview, one row per (host, engine), ordered by host, engine
+-- (QueryRunner.fleet adds their totals). $run NULL: every run; time range on ts_ns, since_ns inclusive, until_ns
+-- exclusive (NULL: unbounded).
 --   host                          the events' host column; rows without one (files older than schema 3) take the
 --                                 host their stream declared, else ''
 --   requests, prompt_tokens, hit_tokens
@@ -16,9 +16,34 @@
 --   ingest_lag_s                  max over those streams of (last_seen_ns - last_ts_ns) / 1e9: how far the newest
 --                                 stored event lies behind the collector's last receipt of that stream
 --   dp_rank                       the data-parallel rank the engine's latest stream declared, else its events'
--- Ratios are 0, never NULL, when their denominator is 0; totals recompute them from the summed counts.
+--   sources                       the distinct sources of the engine's streams (plugin, kv_events)
+--   counter_rows, counter_prompt_tokens, counter_hit_tokens
+--                                 prefix_cache_counters rows in the window and their sums (vLLM's own counters) of
+--                                 the engines without lookups; kvfabric.queries.availability uses them there
+-- Streams of source kv_events carry no share_degree: their shared anchors are those of part kv_shared_evictions.
+-- Ratios are 0, never NULL, when their denominator is 0.
 -- One scan of the events in the window grouped by (run, host, engine); everything else works on small results.
-WITH g AS (
+WITH
+-- @include kv_shared_evictions
+kv_shared AS (
+    SELECT run_id, host, engine, count(*) AS n
+    FROM kv_shared_evictions
+    WHERE ($since_ns IS NULL OR ts_ns >= $since_ns) AND ($until_ns IS NULL OR ts_ns < $until_ns)
+    GROUP BY run_id, host, engine
+),
+counters AS (
+    -- read only for the engines that have no lookups (kv_engines): the only ones whose hit rate they give
+    SELECT e.run_id, e.host, e.engine, count(*) AS n, sum(e.prompt_tokens) AS prompt_tokens,
+           sum(e.hit_tokens) AS hit_tokens
+    FROM events AS e
+    JOIN kv_engines AS k ON k.run_id = e.run_id AND k.engine = e.engine
+    WHERE e.event = 'prefix_cache_counters'
+      AND ($run IS NULL OR e.run_id = $run)
+      AND ($since_ns IS NULL OR e.ts_ns >= $since_ns)
+      AND ($until_ns IS NULL OR e.ts_ns < $until_ns)
+    GROUP BY e.run_id, e.host, e.engine
+),
+g AS (
     SELECT
         run_id,
         host,
@@ -44,7 +69,11 @@ st AS (
     SELECT * FROM streams WHERE ($run IS NULL OR run_id = $run)
 ),
 engine_bs AS (
-    SELECT run_id, engine, max(block_size) AS block_size, max(host) AS host FROM st GROUP BY run_id, engine
+    SELECT
+        run_id, engine, max(block_size) AS block_size, max(host) AS host,
+        list(DISTINCT coalesce(source, 'plugin')) AS sources
+    FROM st
+    GROUP BY run_id, engine
 ),
 run_bs AS (
     SELECT run_id, max(block_size) AS block_size FROM st GROUP BY run_id
@@ -60,15 +89,23 @@ ev AS (
         sum(g.prompt_tokens) AS prompt_tokens,
         sum(g.hit_tokens) AS hit_tokens,
         sum(g.evicted) AS evicted_blocks,
-        sum(g.shared_anchor) AS shared_anchor_evictions,
+        sum(g.shared_anchor + coalesce(kv_shared.n, 0)) AS shared_anchor_evictions,
         sum(g.rebuilt) AS rebuilt_blocks,
         sum(g.rebuilt * coalesce(engine_bs.block_size, run_bs.block_size, 0)) AS wasted_prefill_tokens,
         sum(g.sink_dropped) AS sink_dropped_events,
+        sum(counters.n) AS counter_rows,
+        sum(counters.prompt_tokens) AS counter_prompt_tokens,
+        sum(counters.hit_tokens) AS counter_hit_tokens,
+        list_distinct(flatten(list(coalesce(engine_bs.sources, [])))) AS sources,
         min(g.first_ts_ns) AS first_ts_ns,
         max(g.last_ts_ns) AS last_ts_ns
     FROM g
     LEFT JOIN engine_bs ON engine_bs.run_id = g.run_id AND engine_bs.engine = g.engine
     LEFT JOIN run_bs ON run_bs.run_id = g.run_id
+    LEFT JOIN kv_shared
+        ON kv_shared.run_id = g.run_id AND kv_shared.host IS NOT DISTINCT FROM g.host AND kv_shared.engine = g.engine
+    LEFT JOIN counters
+        ON counters.run_id = g.run_id AND counters.host IS NOT DISTINCT FROM g.host AND counters.engine = g.engine
     GROUP BY 1, 2
 ),
 sv AS (
@@ -78,7 +115,8 @@ sv AS (
         list(DISTINCT run_id) AS runs,
         arg_max(dp_rank, first_seen_ns) AS dp_rank,
         sum(gaps) AS sequence_gaps,
-        max(last_seen_ns - last_ts_ns) / 1e9 AS ingest_lag_s
+        max(last_seen_ns - last_ts_ns) / 1e9 AS ingest_lag_s,
+        list(DISTINCT coalesce(source, 'plugin')) AS sources
     FROM st
     WHERE ($since_ns IS NULL OR last_ts_ns >= $since_ns)
       AND ($until_ns IS NULL OR first_ts_ns < $until_ns)
@@ -86,7 +124,6 @@ sv AS (
 ),
 e AS (
     SELECT
-        'engine' AS level,
         coalesce(ev.host, sv.host) AS host,
         coalesce(ev.engine, sv.engine) AS engine,
         coalesce(sv.dp_rank, ev.dp_rank) AS dp_rank,
@@ -103,39 +140,15 @@ e AS (
         coalesce(sv.sequence_gaps, 0)::BIGINT AS sequence_gaps,
         sv.ingest_lag_s::DOUBLE AS ingest_lag_s,
         ev.first_ts_ns,
-        ev.last_ts_ns
+        ev.last_ts_ns,
+        list_sort(list_distinct(list_concat(coalesce(ev.sources, []), coalesce(sv.sources, [])))) AS sources,
+        coalesce(ev.counter_rows, 0)::BIGINT AS counter_rows,
+        coalesce(ev.counter_prompt_tokens, 0)::BIGINT AS counter_prompt_tokens,
+        coalesce(ev.counter_hit_tokens, 0)::BIGINT AS counter_hit_tokens
     FROM ev
     FULL OUTER JOIN sv ON sv.host = ev.host AND sv.engine = ev.engine
-),
-t AS (
-    SELECT
-        'total' AS level,
-        NULL::VARCHAR AS host,
-        NULL::VARCHAR AS engine,
-        NULL::INTEGER AS dp_rank,
-        coalesce(list_sort(list_distinct(flatten(list(runs)))), []) AS runs,
-        coalesce(sum(requests), 0)::BIGINT AS requests,
-        coalesce(sum(prompt_tokens), 0)::BIGINT AS prompt_tokens,
-        coalesce(sum(hit_tokens), 0)::BIGINT AS hit_tokens,
-        coalesce(sum(evicted_blocks), 0)::BIGINT AS evicted_blocks,
-        coalesce(sum(shared_anchor_evictions), 0)::BIGINT AS shared_anchor_evictions,
-        coalesce(sum(rebuilt_blocks), 0)::BIGINT AS rebuilt_blocks,
-        coalesce(sum(wasted_prefill_tokens), 0)::BIGINT AS wasted_prefill_tokens,
-        coalesce(sum(events), 0)::BIGINT AS events,
-        coalesce(sum(sink_dropped_events), 0)::BIGINT AS sink_dropped_events,
-        coalesce(sum(sequence_gaps), 0)::BIGINT AS sequence_gaps,
-        max(ingest_lag_s) AS ingest_lag_s,
-        min(first_ts_ns) AS first_ts_ns,
-        max(last_ts_ns) AS last_ts_ns
-    FROM e
-),
-per_level AS (
-    SELECT * FROM e
-    UNION ALL BY NAME
-    SELECT * FROM t
 )
 SELECT
-    level,
     host,
     engine,
     dp_rank,
@@ -154,6 +167,10 @@ SELECT
     sequence_gaps,
     ingest_lag_s,
     first_ts_ns,
-    last_ts_ns
-FROM per_level
-ORDER BY level = 'total', host, engine
+    last_ts_ns,
+    sources,
+    counter_rows,
+    counter_prompt_tokens,
+    counter_hit_tokens
+FROM e
+ORDER BY host, engine
