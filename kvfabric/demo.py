@@ -5,6 +5,11 @@ built-in workload with memory pressure through a simulated model, with the KVFab
 own ``vllm.general_plugins`` mechanism; the hook streams events to the collector; the report is read back over
 REST, the events are exported to Parquet and counted back with DuckDB. With ``--serve`` the same collector keeps
 serving afterwards (its ``/metrics`` counters are the ones ingest advanced), on the port printed at the start.
+
+With ``--kv-events`` the engine runs without the plugin and publishes vLLM's own KV events (``--kv-events-config``:
+a ZMQ publisher and its replay socket on free ports), the collector subscribes with ``--kv-events``, and the same
+report marks what those events cannot tell (docs/kv-events.md). Its evictions and rebuilt-from-eviction equal the
+plugin's on the same workload and seed.
 """
 
 from __future__ import annotations
@@ -21,13 +26,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import duckdb
-from tqdm import tqdm
 
 from kvfabric.argtypes import int_range, port
 from kvfabric.collector import CollectorConfig, CollectorProcess
@@ -35,8 +38,10 @@ from kvfabric.collector.export import export_parquet
 from kvfabric.ingest import defaults as D
 from kvfabric.lake import LakeLocation
 from kvfabric.policies import POLICY_NAMES
+from kvfabric.queries import availability as A
 from kvfabric.queries.sources import lake_from_args
-from kvfabric.sim.harness import SimulatedEngine
+from kvfabric.sim.demo_engine import run_with_kv_events, run_with_plugin
+from kvfabric.sim.publisher import Published
 from kvfabric.sim.workload import DEMO_NUM_BLOCKS, demo_workload
 from kvfabric.usage import UsageError
 
@@ -64,6 +69,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in blocks of 16 tokens (default: 640, which puts the workload under "
                              "memory pressure; at least what its longest request needs, which the error names)")
     parser.add_argument("--json", action="store_true", help="print the run summary as JSON at the end")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="observe the engine through vLLM's own KV-event publisher (--kv-events-config) instead "
+                             "of the plugin; the collector subscribes with --kv-events, and the report marks what "
+                             "those events cannot tell (no lookups); the engine runs vLLM's own LRU")
 
 
 # ---- small helpers ---------------------------------------------------------------------------------------------
@@ -120,86 +129,6 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[Callable[[], list[str]]]:
-    """Send file descriptor 2 to a temporary file (torch logs from C++ and from handlers bound at import)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
-        lines: list[str] = []
-        try:
-            yield lambda: lines
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            lines.extend(tmp.read().decode(errors="replace").splitlines())
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-# ---- the run ---------------------------------------------------------------------------------------------------
-
-
-def run_workload(sock: str, run_id: str, policy: str, items: list[Any], blocks: int) -> dict[str, Any]:
-    """Run ``items`` (the demo workload) through vLLM's real scheduler on a pool of ``blocks`` blocks, with the
-    plugin streaming to ``sock``."""
-
-    with _env(KVFABRIC_LIFECYCLE="1", KVFABRIC_SINK=f"unix://{sock}", KVFABRIC_RUN_ID=run_id,
-              KVFABRIC_EVICTION_POLICY=policy, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-              VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")):
-        _say("  loading vLLM (about 10-15 s on 2 cores)...")
-        t0 = time.monotonic()
-        # torch and vLLM print harmless CPU-only warnings at import (no CUDA runtime, no vllm._C): keep the
-        # report readable; real errors still surface.
-        with _quiet_stderr() as noise:
-            engine = SimulatedEngine.create(blocks)  # build_scheduler loads vLLM's general plugins: ours included
-        for line in noise():
-            if "Traceback" in line or ("Error" in line and "vllm._C" not in line):
-                print(line, file=sys.stderr)
-        installation = getattr(engine.scheduler, "_kvfabric", None)
-        if installation is None:
-            raise RuntimeError("the kvfabric plugin did not install itself into vLLM's scheduler "
-                               "(is the package installed, so that its vllm.general_plugins entry point exists?)")
-        engine.add_workload(items)
-        _say(f"  vLLM ready in {time.monotonic() - t0:.1f} s; workload: {len(items)} requests on "
-             f"{blocks} blocks x {engine.block_size} tokens")
-        # The progress bar is for a person watching: stderr, so stdout stays the report (and --json parses).
-        with tqdm(total=len(items), unit="req", desc="  requests", leave=True, file=sys.stderr) as bar:
-            done = 0
-
-            def progress(_: Any) -> None:
-                nonlocal done
-                n = engine.stats.requests_finished
-                if n != done:
-                    bar.update(n - done)
-                    done = n
-
-            engine.run_until_done(progress)
-        installation.close()  # flush every event to the collector
-        outlet = installation.outlet
-        return {
-            "engine": engine.summary(),
-            "events_emitted": getattr(outlet, "expanded_events", 0),
-            "rows_sent": getattr(outlet, "delivered_events", 0),
-            "events_lost": outlet.lost_events,
-        }
-
-
 def wait_ingested(url: str, run_id: str, rows: int, timeout: float = 60.0) -> int:
     """Poll the collector until it has stored ``rows`` rows of ``run_id``; returns what it has."""
     deadline = time.monotonic() + timeout
@@ -214,25 +143,76 @@ def wait_ingested(url: str, run_id: str, rows: int, timeout: float = 60.0) -> in
     return have
 
 
+def wait_subscribed(url: str, engine: str, timeout: float = 30.0) -> None:
+    """Until the collector's ``--kv-events`` subscriber for ``engine`` is connected to the publisher (its /healthz
+    entry): from then on a batch it misses shows as a gap and the replay fills it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        entries = get_json(f"{url}/healthz").get("kv_events") or []
+        if any(e["engine"] == engine and e["state"] == "connected" for e in entries):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the collector's kv-events subscriber did not connect within {timeout:.0f} s "
+                               f"({entries})")
+        time.sleep(0.1)
+
+
+def wait_kv_events_stored(url: str, run_id: str, published: Published, timeout: float = 120.0) -> dict[str, int]:
+    """Poll the collector until it has stored a ``block_sealed`` row for every block vLLM's publisher announced as
+    stored and a ``block_evicted`` row for every removed one; returns its counts by event type. Raises
+    RuntimeError naming what is missing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    have: dict[str, int] = {}
+    while True:
+        try:
+            have = get_json(f"{url}/api/v1/runs/{run_id}/summary")["events_by_type"]
+        except urllib.error.HTTPError as e:
+            if e.code != 404:  # 404: no batch of the run committed yet
+                raise
+        if (have.get("block_sealed", 0) >= published.stored_blocks
+                and have.get("block_evicted", 0) >= published.removed_blocks):
+            return have
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the collector stored {have.get('block_sealed', 0):,} of {published.stored_blocks:,} "
+                               f"stored and {have.get('block_evicted', 0):,} of {published.removed_blocks:,} removed "
+                               f"blocks vLLM published in {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _hit_rate_line(s: dict[str, Any]) -> str:
+    if "prefix_hit_rate" in s["unavailable"]:
+        return s["unavailable"]["prefix_hit_rate"]
+    origin = f", {A.FROM_COUNTERS_TEXT}" if s["prefix_hit_rate_from"] == A.FROM_COUNTERS else ""
+    return (f"{_pct(s['prefix_hit_rate'])}  ({s['prefix_hit_tokens']:,} of {s['prompt_tokens']:,} prompt tokens "
+            f"from cache{origin})")
+
+
 def print_report(summary: dict[str, Any], families: list[dict[str, Any]], policy: str) -> None:
+    """The report: the run summary's contract numbers and the top families; a number the run's event source
+    cannot give is printed as the reason instead (kvfabric.queries.availability)."""
     s = summary
+    missing = s["unavailable"]
+    kv_only = not A.has_lookups(s["sources"])
+    shared = ("evicted blocks with 2+ children or stored 2+ times" if kv_only
+              else "evicted blocks that 2+ requests had used")
     _say("")
     _say(f"Run {s['run_id']}  (policy {policy})")
     rows = [
-        ("prefix hit rate", f"{_pct(s['prefix_hit_rate'])}  ({s['prefix_hit_tokens']:,} of {s['prompt_tokens']:,} "
-                            "prompt tokens from cache)"),
+        ("prefix hit rate", _hit_rate_line(s)),
         ("evicted blocks", f"{s['evicted_blocks']:,}"),
-        ("shared-anchor eviction ratio", f"{_pct(s['shared_anchor_eviction_ratio'])}  (evicted blocks that 2+ "
-                                         "requests had used)"),
+        ("shared-anchor eviction ratio", f"{_pct(s['shared_anchor_eviction_ratio'])}  ({shared})"),
         ("protected eviction ratio", _pct(s["protected_eviction_ratio"])),
         ("rebuilt from eviction", f"{s['rebuilt_from_eviction_blocks']:,} blocks (evicted, then prefilled again)"),
-        ("regretful evictions", f"{s['regretful_evictions']:,} (evicted, then wanted within 60 s)"),
+        ("regretful evictions", missing.get("regretful_evictions")
+         or f"{s['regretful_evictions']:,} (evicted, then wanted within 60 s)"),
         ("wasted prefill tokens", f"{s['wasted_prefill_tokens']:,}"),
     ]
+    if "evicted_tokens" in missing:
+        rows.append(("miss attribution", missing["evicted_tokens"]))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         _say(f"  {k:<{width}}  {v}")
@@ -241,8 +221,12 @@ def print_report(summary: dict[str, Any], families: list[dict[str, Any]], policy
         _say("Top families by wasted prefill")
         _say(f"  {'family':<20} {'requests':>8} {'hit rate':>9} {'evicted':>8} {'rebuilt':>8} {'wasted tok':>11}")
         for f in families[:8]:
-            _say(f"  {str(f['family'])[:20]:<20} {f['requests']:>8,} {_pct(f.get('prefix_hit_rate')):>9} "
+            requests = "n/a" if f["requests"] is None else f"{f['requests']:,}"
+            rate = "n/a" if "prefix_hit_rate" in f["unavailable"] else _pct(f.get("prefix_hit_rate"))
+            _say(f"  {str(f['family'])[:20]:<20} {requests:>8} {rate:>9} "
                  f"{f['evicted_blocks']:>8,} {f['rebuilt_blocks']:>8,} {f['wasted_prefill_tokens']:>11,}")
+        if any(f["unavailable"] for f in families[:8]):
+            _say(f"  n/a: {A.NO_LOOKUPS}")
 
 
 def export_and_count(db: str, out: str, run_id: str, lake: LakeLocation | None = None) -> dict[str, int]:
@@ -307,8 +291,58 @@ def snapshot_database(db: str, into: str, attempts: int = 40) -> str:
     raise RuntimeError(f"{db} kept changing while it was copied for the Parquet export")
 
 
+def _free_port(host: str) -> int:
+    """A TCP port nothing listens on at ``host`` ('' = every interface), as ZMQ binds it."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class KvEventsWiring:
+    """Where the kv-events demo's publisher binds and what the collector subscribes to.
+
+    vLLM 0.33 binds its publishing socket only for a wildcard host (``tcp://*:PORT``: every interface, for the
+    demo's few seconds; the events are the demo's synthetic tokens) and connects for any other; the replay socket it
+    binds wherever told, here loopback only."""
+
+    ENGINE = "demo-kv-events"
+
+    def __init__(self, run_id: str) -> None:
+        pub, replay = _free_port(""), _free_port(D.HTTP_HOST)
+        self.vllm_endpoint = f"tcp://*:{pub}"
+        self.vllm_replay = f"tcp://{D.HTTP_HOST}:{replay}"
+        self.spec = (f"tcp://{D.HTTP_HOST}:{pub},replay={self.vllm_replay},engine={self.ENGINE},run={run_id}")
+
+
+def _run_engine(args: argparse.Namespace, collector: CollectorProcess, sock: str, run_id: str, items: list[Any],
+                blocks: int, wiring: KvEventsWiring | None) -> tuple[dict[str, Any], str]:
+    """Run the engine (plugin or kv-events) until the collector has stored the run; returns the stats and the
+    line saying what was sent and stored."""
+    store = "the lake" if args.lake else "DuckDB"
+    if wiring is None:
+        stats = run_with_plugin(sock, run_id, args.policy, items, blocks, _say)
+        stored = wait_ingested(collector.http_url, run_id, stats["rows_sent"])
+        return stats, (f"  events: {stats['events_emitted']:,} emitted, {stats['rows_sent']:,} sent, "
+                       f"{stats['events_lost']:,} lost; {stored:,} rows stored in {store}")
+    stats = run_with_kv_events(
+        wiring.vllm_endpoint, wiring.vllm_replay, items, blocks, _say,
+        on_ready=lambda _: wait_subscribed(collector.http_url, wiring.ENGINE),
+        wait_stored=lambda published: wait_kv_events_stored(collector.http_url, run_id, published),
+    )
+    published = stats["published"]
+    stored = wait_ingested(collector.http_url, run_id, 1)
+    return stats, (f"  events: vLLM published {published['batches']:,} KV-event batches "
+                   f"({published['stored_blocks']:,} blocks stored, {published['removed_blocks']:,} removed); "
+                   f"{stored:,} rows stored in {store}")
+
+
 def run(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
+    if args.kv_events and args.policy != "lru":
+        raise UsageError(f"--kv-events with --policy {args.policy}: without the plugin vLLM evicts by its own LRU; "
+                         "leave out --policy")
+    if args.kv_events and args.lake is not None:
+        raise UsageError("--kv-events with --lake: the kv-events demo writes a DuckDB file (leave out --lake)")
     items = demo_workload(args.seed)
     blocks = DEMO_NUM_BLOCKS if args.num_blocks is None else args.num_blocks
     check_num_blocks(blocks, items)  # before anything starts: a bad value leaves nothing behind
@@ -318,29 +352,36 @@ def run(args: argparse.Namespace) -> int:
                          "lock, so the export could not read it; use a postgres: catalog, or leave out --serve")
     port_number, port_note = choose_port(args.port)
     db = os.path.abspath(args.db)
-    run_id = args.run_id or f"demo-{args.policy}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    label = "kv-events" if args.kv_events else args.policy
+    run_id = args.run_id or f"demo-{label}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     workdir = tempfile.mkdtemp(prefix="kvfabric-demo-")
     sock = os.path.join(workdir, "kvfabric.sock")
     log_path = os.path.join(workdir, "collector.log")
     collector: CollectorProcess | None = None
-    _say("KVFabric demo: vLLM's real scheduler on CPU with a simulated model; the hook streams to a real collector")
+    wiring = KvEventsWiring(run_id) if args.kv_events else None
+    if wiring is None:
+        _say("KVFabric demo: vLLM's real scheduler on CPU with a simulated model; the hook streams to a real collector")
+    else:
+        _say("KVFabric demo: vLLM's real scheduler on CPU with a simulated model, without the plugin; vLLM's own "
+             "KV-event publisher streams to a real collector (--kv-events)")
     t_start = time.monotonic()
     try:
-        config = CollectorConfig(db_path=db, socket_path=sock, port=port_number, lake=args.lake, data=args.data)
+        config = CollectorConfig(db_path=db, socket_path=sock, port=port_number, lake=args.lake, data=args.data,
+                                 kv_events=() if wiring is None else (wiring.spec,))
         collector = CollectorProcess(config, log_path=log_path, ready_timeout=60.0)
         if port_note:
             _say(f"  {port_note}")
         where = lake.describe() if lake is not None else f"db {db}"
         _say(f"  collector: {where}, socket {sock}, {collector.http_url}")
+        if wiring is not None:
+            _say(f"  collector subscribed with --kv-events {wiring.spec}")
         collector.start()
-        stats = run_workload(sock, run_id, args.policy, items, blocks)
-        stored = wait_ingested(collector.http_url, run_id, stats["rows_sent"])
-        _say(f"  events: {stats['events_emitted']:,} emitted, {stats['rows_sent']:,} sent, "
-             f"{stats['events_lost']:,} lost; {stored:,} rows stored in {'the lake' if lake else 'DuckDB'}")
+        stats, sent = _run_engine(args, collector, sock, run_id, items, blocks, wiring)
+        _say(sent)
         summary = get_json(f"{collector.http_url}/api/v1/runs/{run_id}/summary")
         fams = get_json(f"{collector.http_url}/api/v1/families?run={run_id}")
         families = fams["items"] if isinstance(fams, dict) else fams
-        print_report(summary, families, args.policy)
+        print_report(summary, families, "vLLM's own LRU, seen through its KV events" if wiring else args.policy)
         if lake is not None and lake.catalog_kind == "postgres":
             source = db  # a catalog in PostgreSQL takes readers beside its writers: the export reads it directly
         elif args.serve:
