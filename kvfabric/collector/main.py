@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from kvfabric.lake import LakeUnavailable, MissingExtension
 from kvfabric.usage import EXIT_USAGE, UsageError
 
 log = logging.getLogger("kvfabric.collector")
+
+GC_THRESHOLD = 50_000
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLogger().level))  # its banner is noise
+    # Ingest allocates thousands of short-lived containers per batch (a KV-event batch's rows, their columns): with
+    # CPython's default of a collection every 700 allocations, the cyclic GC cost more than converting the rows
+    # (measured: 1.5 us of 2.6 us a row at 200k rows/s); every 50,000 it is noise.
+    gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
     try:
         config = config_from_args(args)
     except ValueError as e:

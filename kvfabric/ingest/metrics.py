@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -317,9 +318,14 @@ class CollectorMetrics:
 
     def observe_rebuilds(self, rebuilt: Iterable[tuple[str | None, str | None, int | None]]) -> None:
         """Time-to-rebuild of committed ``block_rebuilt`` rows: (run_id, engine, age_ns)."""
+        children: dict[tuple[str | None, str | None], Any] = {}  # (a labels() lookup per row cost more than observe)
         for run_id, engine, age_ns in rebuilt:
             if age_ns is not None:
-                self.time_to_rebuild.labels(self.run_label(run_id), engine or "").observe(max(0, age_ns) / 1e9)
+                child = children.get((run_id, engine))
+                if child is None:
+                    child = children[run_id, engine] = self.time_to_rebuild.labels(self.run_label(run_id),
+                                                                                   engine or "")
+                child.observe(max(0, age_ns) / 1e9)
 
     def record_commit(self, aggregates: Iterable[CommitAggregate], block_size: Callable[[str, str], int]) -> None:
         """Advance the analytics counters for rows that just committed.

@@ -27,13 +27,16 @@ Invariants (the only code that changes the converter's state is :meth:`Converter
   * rows come out in the order of the events and of the hashes inside each event, in
     :data:`~kvfabric.contract.schema.EMIT_COLUMNS` order, every one with the batch's ``ts_ns`` and ``dp_rank``;
   * every map is bounded (oldest forgotten first): ``evicted`` by ``evicted_memory`` (the expander's default),
-    ``known`` by ``known_memory``, ``live`` by ``live_memory`` (a live hash forgotten loses only its reset rows,
-    counted in :attr:`Converter.forgotten_live`).
+    ``known`` by ``known_memory`` (the most recently stored kept), ``live`` by ``live_memory`` (a live hash
+    forgotten loses only its reset rows, counted in :attr:`Converter.forgotten_live`);
+  * every string is valid UTF-8 (msgspec decodes only that) and at most ``max_string_bytes`` long: a row written
+    here needs no further check before the writer takes it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +65,17 @@ def digest(block_hash: wire.BlockHash) -> int:
     return d
 
 
+Info = tuple[int | None, str | None, str | None, str | None, int, int | None]
+"""What is known of a digest: (depth, family, tenant, lora, children, parent). Immutable: a row keeps the entry
+that was current when it was written."""
+UNKNOWN: Info = (None, None, None, None, None, None)  # type: ignore[assignment]
+Row = tuple[str, int | None, Info, int | None, str | None]
+"""(event, block_hash, info, age_ns, reason): one row, the rest of its columns being the stream's constants."""
+
+
 @dataclass
 class ConvertedBatch:
-    """The rows of one batch, column by column (the varying columns; the rest are the stream's constants)."""
+    """The rows of one batch (:data:`Row`s), turned into columns only when asked for."""
 
     ts_ns: int
     dp_rank: int
@@ -72,71 +83,45 @@ class ConvertedBatch:
     run_id: str
     host: str | None
     policy: str | None
-    event: list[str] = field(default_factory=list)
-    block_hash: list[int | None] = field(default_factory=list)
-    parent_hash: list[int | None] = field(default_factory=list)
-    family: list[str | None] = field(default_factory=list)
-    depth: list[int | None] = field(default_factory=list)
-    branch_factor: list[int | None] = field(default_factory=list)
-    age_ns: list[int | None] = field(default_factory=list)
-    reason: list[str | None] = field(default_factory=list)
-    tenant: list[str | None] = field(default_factory=list)
-    lora: list[str | None] = field(default_factory=list)
+    items: list[Row] = field(default_factory=list)
     block_size: int = 0  # the first stored block's size in this batch; 0 when it stored none
     events: dict[str, int] = field(default_factory=dict)  # KV events by kind (wire.EVENT_KINDS)
     skipped_medium: int = 0  # events of another medium (offloading tiers), skipped
+    aged: bool = False  # a row has age_ns (a rebuild)
+    reasoned: bool = False  # a row has a reason (a reset)
 
     def __len__(self) -> int:
-        return len(self.event)
+        return len(self.items)
 
-    def add(self, event: str, block_hash: int | None, info: list[Any] | None, age_ns: int | None = None,
-            reason: str | None = None) -> None:
-        """One row; ``info`` is the block's known entry (see :class:`Converter`), None when nothing is known."""
-        self.event.append(event)
-        self.block_hash.append(block_hash)
-        self.age_ns.append(age_ns)
-        self.reason.append(reason)
-        if info is None:
-            for column in (self.parent_hash, self.family, self.depth, self.branch_factor, self.tenant, self.lora):
-                column.append(None)
-            return
-        depth, family, tenant, lora, children, parent = info
-        self.parent_hash.append(parent)
-        self.family.append(family)
-        self.depth.append(depth)
-        self.branch_factor.append(children)
-        self.tenant.append(tenant)
-        self.lora.append(lora)
+    def columns(self) -> dict[str, Sequence[Any]]:
+        """The varying columns, by name (two transpositions in C: the rows, then their known entries)."""
+        if not self.items:
+            return dict.fromkeys(("event", "block_hash", "depth", "family", "tenant", "lora", "branch_factor",
+                                  "parent_hash", "age_ns", "reason"), ())
+        event, block_hash, infos, age_ns, reason = zip(*self.items, strict=True)
+        depth, family, tenant, lora, branch, parent = zip(*infos, strict=True)
+        return {"event": event, "block_hash": block_hash, "depth": depth, "family": family, "tenant": tenant,
+                "lora": lora, "branch_factor": branch, "parent_hash": parent, "age_ns": age_ns, "reason": reason}
+
+    def constants(self) -> dict[str, Any]:
+        return {"ts_ns": self.ts_ns, "engine": self.engine, "run_id": self.run_id, "policy": self.policy,
+                "host": self.host, "dp_rank": self.dp_rank}
 
     def rows(self) -> list[tuple]:
         """The rows as tuples in :data:`~kvfabric.contract.schema.EMIT_COLUMNS` order."""
-        n = len(self.event)
-        c: dict[str, list[Any]] = {
-            "ts_ns": [self.ts_ns] * n, "engine": [self.engine] * n, "run_id": [self.run_id] * n,
-            "event": self.event, "block_hash": self.block_hash, "parent_hash": self.parent_hash,
-            "family": self.family, "depth": self.depth, "branch_factor": self.branch_factor,
-            "policy": [self.policy] * n,
-            "age_ns": self.age_ns, "reason": self.reason, "host": [self.host] * n, "dp_rank": [self.dp_rank] * n,
-            "tenant": self.tenant, "lora": self.lora,
-        }
+        n = len(self.items)
+        c = self.columns() | {name: [v] * n for name, v in self.constants().items()}
         none = [None] * n
         return list(zip(*(c.get(name, none) for name in S.EMIT_COLUMNS), strict=True))
 
     def record_batch(self, seq: int) -> pa.RecordBatch:
         """The rows as one record batch of :data:`~kvfabric.contract.schema.EVENT_SCHEMA` with ``seq``."""
-        n = len(self.event)
-        varying: dict[str, list[Any]] = {
-            "event": self.event, "block_hash": self.block_hash, "parent_hash": self.parent_hash,
-            "family": self.family, "depth": self.depth, "branch_factor": self.branch_factor, "age_ns": self.age_ns,
-            "reason": self.reason, "tenant": self.tenant, "lora": self.lora,
-        }
-        constant: dict[str, Any] = {
-            "seq": seq, "ts_ns": self.ts_ns, "engine": self.engine, "run_id": self.run_id, "policy": self.policy,
-            "host": self.host, "dp_rank": self.dp_rank,
-        }
+        n = len(self.items)
+        varying = self.columns()
+        constant = self.constants() | {"seq": seq}
         arrays = []
         for f in S.EVENT_SCHEMA:
-            if f.name in varying:
+            if f.name in varying and (f.name not in _SPARSE or getattr(self, _SPARSE[f.name])):
                 arrays.append(pa.array(varying[f.name], f.type))
             elif constant.get(f.name) is not None:
                 arrays.append(pa.repeat(pa.scalar(constant[f.name], f.type), n))
@@ -145,10 +130,15 @@ class ConvertedBatch:
         return pa.RecordBatch.from_arrays(arrays, schema=S.EVENT_SCHEMA)
 
 
+_SPARSE = {"age_ns": "aged", "reason": "reasoned"}
+"""Columns null on most rows, built only when a row has one."""
+
+
 class Converter:
-    """One stream's block life state machine (module docstring). ``known`` maps a digest to
-    ``[depth, family, tenant, lora, children, parent]``; ``live`` to its copies in the cache; ``evicted`` to the
-    ``ts_ns`` of its latest eviction (insertion order = eviction order, as in the expander)."""
+    """One stream's block life state machine (module docstring). ``known`` maps a digest to its :data:`Info`;
+    ``live`` to its copies in the cache; ``evicted`` to the ``ts_ns`` of its latest eviction (insertion order =
+    eviction order, as in the expander). ``max_string_bytes``: a tenant or LoRA name longer than that (UTF-8) is
+    left null (the collector's cap on any stored string), counted in :attr:`clipped`."""
 
     def __init__(
         self,
@@ -160,6 +150,7 @@ class Converter:
         evicted_memory: int = D.KV_EVENTS_EVICTED_MEMORY,
         known_memory: int = D.KV_EVENTS_KNOWN_MEMORY,
         live_memory: int = D.KV_EVENTS_LIVE_MEMORY,
+        max_string_bytes: int = D.MAX_STRING_BYTES,
     ) -> None:
         self.engine = engine
         self.run_id = run_id
@@ -168,32 +159,50 @@ class Converter:
         self.evicted_memory = evicted_memory
         self.known_memory = known_memory
         self.live_memory = live_memory
-        self.known: OrderedDict[int, list[Any]] = OrderedDict()
+        self.max_string_bytes = max_string_bytes
+        self.known: OrderedDict[int, Info] = OrderedDict()
         self.live: dict[int, int] = {}
         self.evicted: OrderedDict[int, int] = OrderedDict()
         self.forgotten_live = 0  # live hashes dropped over live_memory (their reset rows cannot be written)
+        self.clipped = 0  # tenant or LoRA values over max_string_bytes, left null
         self.rows = 0
 
     def convert(self, batch: wire.DecodedBatch) -> ConvertedBatch:
         """Apply one batch; return its rows."""
         out = ConvertedBatch(ts_ns=ts_to_ns(batch.ts), dp_rank=batch.data_parallel_rank or 0, engine=self.engine,
                              run_id=self.run_id, host=self.host, policy=self.policy)
-        counts: dict[str, int] = {}
+        counts = dict.fromkeys(wire.EVENT_KINDS, 0)
         kind_of = wire.KIND
-        for ev in batch.events:
-            kind = kind_of[type(ev)]
-            counts[kind] = counts.get(kind, 0) + 1
+        events = batch.events
+        i, n = 0, len(events)
+        while i < n:
+            kind = kind_of[type(events[i])]
+            if kind == wire.REMOVED:  # vLLM sends one per evicted block: a run of them is taken in one loop
+                j = i + 1
+                while j < n and kind_of[type(events[j])] == wire.REMOVED:
+                    j += 1
+                self._removed(events[i:j], out)
+                counts[kind] += j - i
+                i = j
+                continue
+            counts[kind] += 1
             if kind == wire.STORED:
-                self._stored(ev, out)
-            elif kind == wire.REMOVED:
-                self._removed(ev, out)
+                self._stored(events[i], out)
             else:
                 self._cleared(out)
-        out.events = counts
+            i += 1
+        out.events = {k: v for k, v in counts.items() if v}
         self.rows += len(out)
         return out
 
     # ---- handlers ----------------------------------------------------------------------------------------------
+
+    def _text(self, value: str | None) -> str | None:
+        if value is not None and len(value) * 4 > self.max_string_bytes and \
+                len(value.encode("utf-8", "surrogatepass")) > self.max_string_bytes:
+            self.clipped += 1
+            return None
+        return value
 
     def _stored(self, ev: Any, out: ConvertedBatch) -> None:
         if ev.medium is not None and ev.medium != _GPU:
@@ -204,77 +213,93 @@ class Converter:
         known = self.known
         live = self.live
         evicted = self.evicted
-        lora = ev.lora_name
+        append = out.items.append
+        lora = self._text(ev.lora_name)
         ts = out.ts_ns
-        add = out.add
         if ev.parent_block_hash is None:
             parent: int | None = None
             depth: int | None = -1
             family: str | None = None
-            tenant = wire.cache_salt(ev.extra_keys, 0, lora)
+            tenant = self._text(wire.cache_salt(ev.extra_keys, 0, ev.lora_name))
         else:
             parent = digest(ev.parent_block_hash)
-            pinfo = known.get(parent)
-            depth, family, tenant = (pinfo[0], pinfo[1], pinfo[2]) if pinfo is not None else (None, None, None)
+            depth, family, tenant = known.get(parent, UNKNOWN)[:3]
         for raw in ev.block_hashes:
-            h = digest(raw)
+            if type(raw) is int:  # (digest() inlined: the one call per hash this loop would make)
+                h = raw & _MASK
+                if h >= _SIGN:
+                    h -= _WRAP
+            else:
+                h = digest(raw)
             if parent is None:
                 family = S.family_of_hash(h)
             d = None if depth is None else depth + 1
-            info = known.get(h)
+            info = known.pop(h, None)
             if info is None:
-                if parent is not None and (pinfo := known.get(parent)) is not None:
-                    pinfo[4] += 1  # a child never seen before: the parent's branch factor grows
-                info = known[h] = [d, family, tenant, lora, 0, parent]
-                if len(known) > self.known_memory:
+                if parent is not None and (p := known.get(parent)) is not None:
+                    known[parent] = (*p[:4], p[4] + 1, p[5])  # a child never seen before: a wider branch
+                info = (d, family, tenant, lora, 0, parent)
+                if len(known) >= self.known_memory:
                     known.popitem(last=False)
+            elif d is not None:  # what was learnt before stays when this chain is not known back to its root
+                info = (d, family, tenant, lora, info[4], parent)
             else:
-                known.move_to_end(h)
-                # A block's chain is its identity: what was learnt before stays (it may be unknown from here now).
-                if d is not None:
-                    info[0], info[1], info[2] = d, family, tenant
-                info[3] = lora
-                if info[5] is None:
-                    info[5] = parent
+                info = (*info[:3], lora, info[4], info[5] if info[5] is not None else parent)
+            known[h] = info  # (re-inserted: the most recently stored is forgotten last)
             n = live.get(h)
             if n is None and len(live) >= self.live_memory:
                 del live[next(iter(live))]
                 self.forgotten_live += 1
             live[h] = (n or 0) + 1
-            add(S.BLOCK_SEALED, h, info)
+            append((S.BLOCK_SEALED, h, info, None, None))
             gone = evicted.pop(h, None) if evicted else None
             if gone is not None:
-                add(S.BLOCK_REBUILT, h, info, ts - gone)
+                append((S.BLOCK_REBUILT, h, info, ts - gone, None))
+                out.aged = True
             parent, depth, family, tenant = h, info[0], info[1], info[2]
 
-    def _removed(self, ev: Any, out: ConvertedBatch) -> None:
-        if ev.medium is not None and ev.medium != _GPU:
-            out.skipped_medium += 1
-            return
+    def _removed(self, events: list[Any], out: ConvertedBatch) -> None:
         known = self.known
         live = self.live
+        evicted = self.evicted
+        append = out.items.append
         ts = out.ts_ns
-        for raw in ev.block_hashes:
-            h = digest(raw)
-            n = live.get(h)
-            if n is not None:
-                if n > 1:
-                    live[h] = n - 1
+        for ev in events:
+            if ev.medium is not None and ev.medium != _GPU:
+                out.skipped_medium += 1
+                continue
+            for raw in ev.block_hashes:
+                if type(raw) is int:
+                    h = raw & _MASK
+                    if h >= _SIGN:
+                        h -= _WRAP
                 else:
-                    del live[h]
-            out.add(S.BLOCK_EVICTED, h, known.get(h))
-            self._forget(h, ts)
+                    h = digest(raw)
+                n = live.get(h)
+                if n is not None:
+                    if n > 1:
+                        live[h] = n - 1
+                    else:
+                        del live[h]
+                append((S.BLOCK_EVICTED, h, known.get(h, UNKNOWN), None, None))
+                if h in evicted:
+                    evicted.move_to_end(h)
+                evicted[h] = ts
+        while len(evicted) > self.evicted_memory:
+            evicted.popitem(last=False)
 
     def _cleared(self, out: ConvertedBatch) -> None:
         known = self.known
         ts = out.ts_ns
+        append = out.items.append
         for h, copies in self.live.items():
-            info = known.get(h)
+            info = known.get(h, UNKNOWN)
             for _ in range(copies):
-                out.add(S.BLOCK_EVICTED, h, info, reason=S.EVICT_RESET)
+                append((S.BLOCK_EVICTED, h, info, None, S.EVICT_RESET))
             self._forget(h, ts)
+        out.reasoned = out.reasoned or bool(self.live)
         self.live.clear()
-        out.add(S.CACHE_RESET, None, None)
+        append((S.CACHE_RESET, None, UNKNOWN, None, None))
 
     def _forget(self, h: int, ts: int) -> None:
         """Remember ``h`` as evicted at ``ts`` (the latest eviction moves it to the end: forgotten last)."""

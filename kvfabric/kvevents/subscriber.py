@@ -79,6 +79,7 @@ class KvEventsSubscriber:
         self.anchor: tuple[int, int | None] | None = None  # (seq, ts_ns) of the last placed batch
         self.last_live: int | None = None
         self._need_sync = False
+        self._clipped = 0  # the converter's count already logged
         # -- read by /healthz (plain values, written by this thread only) --
         self.connected = False
         self.ever_connected = False
@@ -395,7 +396,8 @@ class KvEventsSubscriber:
         log.info("kv-events %s: continuing stream %r after seq %d", self.spec.engine, committed.stream_id, resume)
 
     def _converter(self) -> Converter:
-        return Converter(engine=self.spec.engine, run_id=self.spec.run_id, host=self.spec.host)
+        return Converter(engine=self.spec.engine, run_id=self.spec.run_id, host=self.spec.host,
+                         max_string_bytes=self.ctx.max_string_bytes)
 
     def _restarted(self, why: str) -> None:
         self.candidate = None
@@ -431,6 +433,10 @@ class KvEventsSubscriber:
             m.kv_skipped.labels(engine, "unknown_type").inc(batch.unknown_events)
         if converted.skipped_medium:
             m.kv_skipped.labels(engine, "medium").inc(converted.skipped_medium)
+        if self.converter.clipped > self._clipped:
+            self._clipped = self.converter.clipped
+            self.ctx.log(logging.WARNING, f"kv-clipped:{engine}", "kv-events %s: %d tenant or LoRA value(s) over "
+                         "the %d-byte string cap stored as null", engine, self._clipped, self.ctx.max_string_bytes)
         self.stream.learn(block_size=converted.block_size, dp_rank=converted.dp_rank)
         self.rows += self.stream.put(seq, converted.record_batch(seq), converted.ts_ns, received_ns)
         self.expected = seq + 1

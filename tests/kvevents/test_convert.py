@@ -122,7 +122,7 @@ def test_other_media_are_skipped_and_counted() -> None:
     batch = decode_batch(msgspec.msgpack.encode([1.0, [stored([1], medium="CPU"), removed([1], medium="STORAGE"),
                                                        stored([2], medium=None)]]))
     out = conv.convert(batch)
-    assert (out.skipped_medium, out.event, out.events) == (2, ["block_sealed"], {"BlockStored": 2,
+    assert (out.skipped_medium, list(out.columns()["event"]), out.events) == (2, ["block_sealed"], {"BlockStored": 2,
                                                                                  "BlockRemoved": 1})
 
 
