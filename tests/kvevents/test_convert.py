@@ -261,3 +261,11 @@ def test_on_one_pool_both_sources_write_the_same_block_story() -> None:
     sealed_twice = sum(1 for evs in events for i, e in enumerate(evs) if e["type"] == "BlockStored"
                        and any(o["type"] == "BlockStored" and o["block_hashes"] == e["block_hashes"] for o in evs[:i]))
     assert sealed_twice > 10
+
+
+def test_a_tenant_or_lora_over_the_string_cap_is_left_null_and_counted() -> None:
+    conv = Converter(engine="e", run_id="r", max_string_bytes=8)
+    rows = convert(conv, 1, stored([1], extra_keys=[["é" * 5]], lora_name="adapter-with-a-long-name"),
+                   stored([2], extra_keys=[["short"]], lora_name="ok"))
+    assert pick(rows, "block_hash", "tenant", "lora") == [(1, None, None), (2, "short", "ok")]
+    assert conv.clipped == 2  # (10 UTF-8 bytes of "é" over 8; the LoRA name too)
