@@ -69,8 +69,8 @@ def test_a_restarted_engine_is_a_new_stream_and_nothing_is_lost() -> None:
                 with publisher(ports=ports) as second:  # the engine restarted: same ports, seq from 0
                     second.publish(workload(25, seed=4))
                     second.drained()
-                    entry = wait_until(lambda: (e := kv_health(files.http_url))["stream_id"] != old
-                                       and e["last_seq"] == 24 and e, 20, "the new stream placed")
+                    entry = wait_until(lambda: (e := kv_health(files.http_url)).get("stream_id") != old
+                                       and e.get("last_seq") == 24 and e, 20, "the new stream placed")
                     assert entry["restarts"] == 1 and entry["lost"] == 0 and entry["reconnects"] == 1
         rows = stored_rows(files.db_path, ENGINE)
         old_rows = expected_rows(first.payloads(), [range(40)], engine=ENGINE)

@@ -237,7 +237,7 @@ def wait_placed(http_url: str, last_seq: int, timeout: float = 20.0, stream_id: 
     def done() -> dict | None:
         body = httpx.get(http_url + "/healthz", timeout=5).json()
         (entry,) = body["kv_events"]
-        ok = entry["last_seq"] == last_seq and body["writer_queue_rows"] == 0
-        return entry if ok and (stream_id is None or entry["stream_id"] == stream_id) else None
+        ok = entry.get("last_seq") == last_seq and body["writer_queue_rows"] == 0  # (null fields are left out)
+        return entry if ok and (stream_id is None or entry.get("stream_id") == stream_id) else None
 
     return wait_until(done, timeout, f"seq {last_seq} placed and committed")
