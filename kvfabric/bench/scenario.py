@@ -10,6 +10,7 @@ bundled name or a path)::
     seed = 0
     prompt_format = "tokens"         # or "text"
     hints = true                     # send KVFabric's request hints (vllm_xargs)
+    ttft_slo_ms = 2000.0             # optional: the TTFT SLO (ms) a request must meet to count toward goodput
 
     [server]                          # what the server must look like for the scenario to mean anything
     model = "llama-3-8b"
@@ -37,6 +38,7 @@ Bad files raise :class:`ScenarioError` with one line saying what is wrong.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -95,6 +97,9 @@ class Scenario:
     hints: bool = True
     server: ServerSpec = field(default_factory=ServerSpec)
     source: str = ""
+    #: The TTFT SLO in milliseconds that goodput counts requests against; ``None`` when the scenario states none.
+    #: When set it is a finite number > 0.
+    ttft_slo_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,7 +186,8 @@ def _traffic(raw: dict[str, Any], index: int, where: str) -> Traffic:
 
 
 def scenario_from_dict(raw: dict[str, Any], where: str = "scenario") -> Scenario:
-    known = {"name", "description", "shows", "expect", "seed", "prompt_format", "hints", "server", "traffic"}
+    known = {"name", "description", "shows", "expect", "seed", "prompt_format", "hints", "server", "traffic",
+             "ttft_slo_ms"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ScenarioError(f"{where}: unknown key(s) {', '.join(unknown)}")
@@ -213,6 +219,10 @@ def scenario_from_dict(raw: dict[str, Any], where: str = "scenario") -> Scenario
     seed = raw.get("seed", 0)
     if not isinstance(seed, int):
         raise ScenarioError(f"{where}: seed must be an integer")
+    slo = raw.get("ttft_slo_ms")
+    if slo is not None and (not isinstance(slo, (int, float)) or isinstance(slo, bool) or not math.isfinite(slo)
+                            or slo <= 0):
+        raise ScenarioError(f"{where}: ttft_slo_ms must be a number of milliseconds > 0, not {slo!r}")
     return Scenario(
         name=str(raw.get("name") or "scenario"),
         traffic=traffic,
@@ -224,6 +234,7 @@ def scenario_from_dict(raw: dict[str, Any], where: str = "scenario") -> Scenario
         hints=bool(raw.get("hints", True)),
         server=server,
         source=where,
+        ttft_slo_ms=float(slo) if slo is not None else None,
     )
 
 
