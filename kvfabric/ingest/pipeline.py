@@ -170,7 +170,7 @@ class IngestPipeline:
         """The committed KV-event streams of (engine, run): on a lake, whichever collector wrote them."""
         try:
             con = self.reader_connection()
-        except DatabaseUnavailable:
+        except (DatabaseUnavailable, duckdb.Error):  # an invalidated instance: the writer reopens it
             return []
         try:
             rows = con.execute("SELECT * FROM streams WHERE source = ? AND engine = ? AND run_id = ?",
@@ -198,7 +198,7 @@ class IngestPipeline:
         """The committed state of one stream in a shared lake (another collector may have written it last)."""
         try:
             con = self.reader_connection()
-        except DatabaseUnavailable:
+        except (DatabaseUnavailable, duckdb.Error):  # an invalidated instance: the writer's next commit reopens it
             return None
         try:
             rows = con.execute("SELECT * FROM streams WHERE stream_id = ?", [stream_id]).to_arrow_table()

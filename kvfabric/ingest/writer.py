@@ -317,6 +317,15 @@ class EventWriter:
         except Exception as e:
             self._rlog.log(logging.WARNING, "maintenance", "retention/compaction failed (retried in %.0f s): %s",
                            self._maintenance_interval_s, str(e).splitlines()[0][:300] if str(e) else e)
+            if self._reopen is not None and (self._lake or needs_reopen(e) or isinstance(e, duckdb.InternalException)):
+                # DuckLake's compaction racing another collector's has raised INTERNAL errors, and DuckDB then
+                # invalidates the whole instance: every later statement, the writes' too, fails until it is opened
+                # again. Reopen now so that ingest goes on; the maintenance itself waits for the next interval.
+                try:
+                    self._con = self._reopen()
+                except Exception as reopen_error:  # the next commit meets the fault and takes the storage path
+                    self._needs_reopen = True
+                    log.warning("reopening the database after a failed maintenance failed: %s", reopen_error)
         finally:
             self._next_maintenance = time.monotonic() + self._maintenance_interval_s
 
