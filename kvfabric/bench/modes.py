@@ -17,7 +17,15 @@ Modes (parameters and defaults in each ``*Params`` class; ranges are inclusive `
                      one request each, arriving at their timestamps (``time_scale``);
 ``pressure``         hot families (shared prefixes, Zipf popularity) mixed with long cold one-off prompts;
                      ``hot_share = 0`` is pure cold traffic that shares nothing;
-``multi_turn_fork``  a conversation trunk that forks into branches (regenerate / edit), each continuing on its own.
+``multi_turn_fork``  a conversation trunk that forks into branches (regenerate / edit), each continuing on its own;
+``document_qa``      questions on long documents drawn with Zipf popularity (RAG / chat-with-a-document): the
+                     document is the shared prefix, family ``doc-<rank>``, rank 0 the most popular;
+``returning_conversation``  long conversations visited in rotation: each session is one *visit* (a few turns) of a
+                     conversation, and visit ``v`` of conversation ``c`` continues from the history (prompts and
+                     answers) its visit ``v - 1`` ended with, after every other conversation has had its visit
+                     ``v - 1``; sessions are yielded visit-major (all visits 0, then all visits 1, ...);
+``agent_loop``       agents sharing a long system prompt + tool schema (one per agent kind), each appending its
+                     action (the answer) and a tool output turn by turn; ``think_s`` is the tool's run time.
 """
 
 from __future__ import annotations
@@ -102,6 +110,8 @@ class ConversationSession:
     knows_session: bool = True
     #: Whether the last turn ends the conversation (a fork's trunk does not: its branches continue it).
     ends: bool = True
+    #: Turn number of the first turn (a returning conversation's later visit numbers on from its earlier ones).
+    turn_offset: int = 0
 
     @property
     def planned_requests(self) -> int:
@@ -112,7 +122,8 @@ class ConversationSession:
         for t, (max_tokens, think_s) in enumerate(self.turns):
             if t and think_s > 0:
                 await ctx.sleep(think_s)
-            reply = await ctx.ask(self, t, prompt, max_tokens, self.ends and t == len(self.turns) - 1)
+            reply = await ctx.ask(self, self.turn_offset + t, prompt, max_tokens,
+                                  self.ends and t == len(self.turns) - 1)
             if reply is None or not reply.ok:
                 return  # stopped, or the server failed: a conversation cannot go on without its answer
             prompt = prompt.plus(reply)
@@ -311,6 +322,71 @@ class ForkParams(_Params):
 
 
 @dataclass(frozen=True)
+class DocumentQAParams(_Params):
+    documents: int = 24
+    document_tokens: Range = (4096, 16384)
+    #: Popularity of document rank i (0-based) is proportional to 1 / (i + 1) ** zipf (0: uniform).
+    zipf: float = 1.0
+    #: Instructions shared by every request, before the document (0: none).
+    instructions_tokens: int = 0
+    question_tokens: Range = (16, 64)
+    #: Questions per session on the same document (follow-ups after the first).
+    turns: Range = (1, 1)
+
+    def validate(self, mode: str) -> None:
+        super().validate(mode)
+        _positive(mode, documents=self.documents)
+        if not isinstance(self.zipf, (int, float)) or self.zipf < 0:
+            raise ModeError(f"mode {mode}: zipf must be a number >= 0")
+        if not isinstance(self.instructions_tokens, int) or self.instructions_tokens < 0:
+            raise ModeError(f"mode {mode}: instructions_tokens must be an integer >= 0")
+        if self.turns[0] < 1:
+            raise ModeError(f"mode {mode}: turns must be >= 1")
+
+
+@dataclass(frozen=True)
+class ReturningConversationParams(_Params):
+    conversations: int = 8
+    #: Visits per conversation (the first included); sessions beyond conversations x visits are not drawn.
+    visits: int = 4
+    #: The conversation's first message (a pasted document, code, an earlier history).
+    opening_tokens: Range = (6144, 10240)
+    #: Turns per visit (back to back, think_s apart).
+    turns_per_visit: Range = (2, 2)
+    #: Each later user message (pasted content included).
+    user_tokens: Range = (512, 2048)
+    max_tokens: Range = (32, 128)
+
+    def validate(self, mode: str) -> None:
+        super().validate(mode)
+        _positive(mode, conversations=self.conversations, visits=self.visits)
+        if self.turns_per_visit[0] < 1:
+            raise ModeError(f"mode {mode}: turns_per_visit must be >= 1")
+
+
+@dataclass(frozen=True)
+class AgentLoopParams(_Params):
+    #: Agent kinds, each with its own system prompt + tool schema (shared by every agent of the kind).
+    agent_kinds: int = 1
+    system_tokens: Range = (6144, 8192)
+    #: The agent's task (an issue, a question): private to the agent.
+    task_tokens: Range = (256, 1024)
+    #: Model calls per agent: the first on the task, each later one after a tool output.
+    steps: Range = (6, 12)
+    tool_output_tokens: Range = (256, 2048)
+    #: The action (tool call) the model writes per step.
+    max_tokens: Range = (64, 192)
+    #: Seconds a tool runs between two steps of an agent.
+    think_s: tuple[float, float] = (0.5, 3.0)
+
+    def validate(self, mode: str) -> None:
+        super().validate(mode)
+        _positive(mode, agent_kinds=self.agent_kinds)
+        if self.steps[0] < 1:
+            raise ModeError(f"mode {mode}: steps must be >= 1")
+
+
+@dataclass(frozen=True)
 class DatasetParams(_Params):
     #: A Mooncake-format JSONL trace (``hash_ids``), relative to the working directory.
     path: str = ""
@@ -439,6 +515,127 @@ def _fork(p: ForkParams, seed: int | str) -> Iterator[Session]:
         i += 1
 
 
+def _zipf_weights(n: int, s: float) -> list[float]:
+    """Weights of ranks ``0..n-1`` under a Zipf law of exponent ``s`` (rank ``i`` -> ``1 / (i + 1) ** s``)."""
+    return [1.0 / (i + 1) ** float(s) for i in range(n)]
+
+
+def _document_qa(p: DocumentQAParams, seed: int | str) -> Iterator[Session]:
+    docs_rng = _rng(seed, "document_qa", "docs")
+    instructions = tuple(draw_tokens(docs_rng, p.instructions_tokens))
+    docs = [tuple(draw_tokens(docs_rng, _randint(docs_rng, p.document_tokens))) for _ in range(p.documents)]
+    weights = _zipf_weights(p.documents, p.zipf)
+    i = 0
+    while True:
+        rng = _rng(seed, "document_qa", i)
+        k = rng.choices(range(p.documents), weights)[0]
+        prompt = Prompt().plus(instructions, docs[k], draw_tokens(rng, _randint(rng, p.question_tokens)))
+        yield _conversation(rng, f"doc-{k}.s{i}", f"doc-{k}", prompt, p.turns, p.question_tokens, p)
+        i += 1
+
+
+@dataclass(slots=True)
+class _History:
+    """A returning conversation's state between visits: the history its last visit ended with, and whether that
+    visit is over (``done``, set even when it stopped early; ``prompt`` is then None and later visits end at once)."""
+
+    prompt: Prompt | None
+    done: asyncio.Event | None = None
+
+
+@dataclass(slots=True)
+class VisitSession:
+    """Visit ``visit`` of a returning conversation: waits for the previous visit to end, continues its history.
+
+    Invariant: the first turn's prompt is exactly the previous visit's final prompt (its last answer included)
+    plus ``opening``; the visit's own later turns follow :class:`ConversationSession`'s rule. Requests carry the
+    *conversation* as their session (``conv-<c>``, one ``kvfabric_session`` hint across visits, ``_end`` only on the
+    last turn of the last visit) and turn numbers counted across visits (``first_turn`` onwards): a visit ``v > 0``'s
+    first request is the conversation's return.
+    """
+
+    name: str
+    family: str
+    visit: int
+    first_turn: int
+    opening: tuple[int, ...]
+    turns: list[tuple[int, float]]
+    users: list[tuple[int, ...]]
+    before: _History
+    after: _History
+    last_visit: bool
+    start_s: float | None = None
+    knows_session: bool = True
+
+    @property
+    def planned_requests(self) -> int:
+        return len(self.turns)
+
+    async def run(self, ctx: SessionContext) -> None:
+        history: list[Prompt] = []
+        try:
+            if self.before.done is not None:
+                await self.before.done.wait()
+            if self.before.prompt is None:
+                return  # the previous visit failed or was stopped: this conversation cannot go on
+
+            async def keep(prompt: Prompt) -> None:
+                history.append(prompt)
+
+            conv = ConversationSession(name=self.family, family=self.family,
+                                       prompt=self.before.prompt.plus(self.opening), turns=self.turns,
+                                       users=self.users, on_done=keep, ends=self.last_visit,
+                                       turn_offset=self.first_turn)
+            await conv.run(ctx)
+        finally:
+            self.after.prompt = history[0] if history else None
+            if self.after.done is not None:
+                self.after.done.set()
+
+
+def _returning_conversation(p: ReturningConversationParams, seed: int | str) -> Iterator[Session]:
+    # One _History per (conversation, visit boundary); events are made lazily (inside the running loop).
+    states: list[list[_History]] = []
+    turns_so_far = [0] * p.conversations
+    for c in range(p.conversations):
+        rng = _rng(seed, "returning_conversation", c, "opening")
+        first = _History(Prompt().plus(draw_tokens(rng, _randint(rng, p.opening_tokens))))
+        states.append([first] + [_History(None) for _ in range(p.visits)])
+    for v in range(p.visits):
+        for c in range(p.conversations):
+            rng = _rng(seed, "returning_conversation", c, v)
+            n = _randint(rng, p.turns_per_visit)
+            plan = [(_randint(rng, p.max_tokens), _uniform(rng, p.think_s)) for _ in range(n)]
+            users = [tuple(draw_tokens(rng, _randint(rng, p.user_tokens))) for _ in range(n - 1)]
+            opening = tuple(draw_tokens(rng, _randint(rng, p.user_tokens))) if v else ()
+            before, after = states[c][v], states[c][v + 1]
+            if after.done is None:
+                after.done = _event()
+            yield VisitSession(name=f"conv-{c}.v{v}", family=f"conv-{c}", visit=v, first_turn=turns_so_far[c],
+                               opening=opening, turns=plan, users=users, before=before, after=after,
+                               last_visit=v == p.visits - 1)
+            turns_so_far[c] += n
+
+
+def _event() -> asyncio.Event:
+    # asyncio.Event binds no loop until awaited (Python >= 3.10), so sessions can be drawn outside a running loop.
+    return asyncio.Event()
+
+
+def _agent_loop(p: AgentLoopParams, seed: int | str) -> Iterator[Session]:
+    sys_rng = _rng(seed, "agent_loop", "system")
+    systems = [tuple(draw_tokens(sys_rng, _randint(sys_rng, p.system_tokens))) for _ in range(p.agent_kinds)]
+    i = 0
+    while True:
+        rng = _rng(seed, "agent_loop", i)
+        k = i % p.agent_kinds
+        prompt = Prompt().plus(systems[k], draw_tokens(rng, _randint(rng, p.task_tokens)))
+        session = _conversation(rng, f"agent-{i}", f"agent-kind-{k}", prompt, p.steps, p.tool_output_tokens, p)
+        session.name = f"agent-kind-{k}.a{i}"
+        yield session
+        i += 1
+
+
 def _dataset(p: DatasetParams, seed: int | str) -> Iterator[Session]:
     scan = p.scan()
     if scan.over_cap and p not in _ANNOUNCED:
@@ -474,6 +671,12 @@ MODES: dict[str, _Mode] = {
                                                   "prompts cut to max_input_tokens (announced)"),
     "pressure": _Mode(PressureParams, _pressure, "hot shared families mixed with long cold one-off prompts"),
     "multi_turn_fork": _Mode(ForkParams, _fork, "a conversation trunk forking into branches"),
+    "document_qa": _Mode(DocumentQAParams, _document_qa,
+                         "questions on long documents with Zipf popularity (RAG, chat with a document)"),
+    "returning_conversation": _Mode(ReturningConversationParams, _returning_conversation,
+                                    "long conversations visited in rotation, each visit continuing its history"),
+    "agent_loop": _Mode(AgentLoopParams, _agent_loop,
+                        "agents sharing a system prompt + tool schema, appending tool outputs step by step"),
 }
 
 
