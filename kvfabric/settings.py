@@ -220,12 +220,18 @@ SETTINGS: tuple[Setting, ...] = (
             "`KVFABRIC_LIFECYCLE=0` keeps recording off; an explicit "
             "`KVFABRIC_SINK` takes precedence)", default_note="unset"),
     Setting("KVFABRIC_EVICTION_POLICY", "choice", "lru", "`lru` is vLLM's own order, untouched; the others are "
-            "KVFabric's policies (`docs/design.md` §6)", field="policy", choices=_policy_names),
+            "KVFabric's policies, and other engines' as baselines (`lfu`, `slru`, `fifo`: SGLang's; `tlru`: "
+            "tail-optimized LRU) (`docs/design.md` §6)", field="policy", choices=_policy_names),
     Setting("KVFABRIC_POLICY_MODEL", "path", "", "the `learned` policy's reuse model (a `kvfabric learn --out` file), "
             "loaded once at start: an unreadable or invalid file gives a warning and the built-in model",
             field="policy_model", default_note="the built-in model", default_doc="the model shipped in the package"),
     Setting("KVFABRIC_PROTECT_MIN_HIT_COUNT", "int", 1, "hits before a block counts as protected",
             field="protect_min_hit_count", minimum=1),
+    Setting("KVFABRIC_TLRU_THRESHOLD_TOKENS", "int", 2048, "the `tlru` policy's TTFT budget xi: prefill tokens a "
+            "returning turn may recompute; the tail of a conversation past its first L + Q_hat - xi tokens is "
+            "evicted first (arXiv:2510.15152; `docs/design.md` §6)", field="tlru_threshold_tokens", minimum=0),
+    Setting("KVFABRIC_TLRU_NEXT_PROMPT_TOKENS", "int", 256, "the `tlru` policy's Q_hat: new prompt tokens expected "
+            "in a conversation's next turn", field="tlru_next_prompt_tokens", minimum=0),
     Setting("KVFABRIC_ADMISSION_ANCHOR_BLOCKS", "int", 0, "admission gate: cache at most this many leading blocks of "
             "requests outside a known family. Off by default: on the synthetic trace at 30-50 % capacity a gate of "
             "24 costs 2.3-9.3 points of hit rate (`docs/policy-results.md`)",

@@ -25,6 +25,8 @@ class HookSettings:
     sink: str = "none"  # "unix:///path", "jsonl:///path" or "none"
     policy: str = "lru"
     protect_min_hit_count: int = 1
+    tlru_threshold_tokens: int = 2048  # KVFABRIC_TLRU_THRESHOLD_TOKENS: the tlru policy's xi
+    tlru_next_prompt_tokens: int = 256  # KVFABRIC_TLRU_NEXT_PROMPT_TOKENS: the tlru policy's Q_hat
     admission_anchor_blocks: int = 0  # 0: the admission gate is off
     family_depth: int | None = None  # None: the widest-branch-point rule (docs/design.md §5)
     run_id: str = "default"
@@ -129,6 +131,8 @@ def load_hook_settings(env: Mapping[str, str] | None = None) -> HookSettings:
         sink=sink,
         policy=policy,
         protect_min_hit_count=get("KVFABRIC_PROTECT_MIN_HIT_COUNT"),  # type: ignore[arg-type]
+        tlru_threshold_tokens=get("KVFABRIC_TLRU_THRESHOLD_TOKENS"),  # type: ignore[arg-type]
+        tlru_next_prompt_tokens=get("KVFABRIC_TLRU_NEXT_PROMPT_TOKENS"),  # type: ignore[arg-type]
         admission_anchor_blocks=get("KVFABRIC_ADMISSION_ANCHOR_BLOCKS"),  # type: ignore[arg-type]
         family_depth=get("KVFABRIC_FAMILY_DEPTH"),  # type: ignore[arg-type]
         run_id=get("KVFABRIC_RUN_ID"),  # type: ignore[arg-type]

@@ -9,12 +9,17 @@ future accesses, so only replays can build it).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvfabric.policies.base import EvictionPolicy, PolicySettings
 
-POLICY_NAMES: tuple[str, ...] = ("lru", "family_protect", "shared_aware", "adaptive_aging", "learned")
+PEER_NAMES: tuple[str, ...] = ("lfu", "slru", "fifo", "tlru")
+"""Other engines' policies, as baselines (:mod:`kvfabric.policies.peers`: SGLang's ``lfu``, ``slru``, ``fifo`` and
+the tail-optimized LRU)."""
+
+POLICY_NAMES: tuple[str, ...] = ("lru", "family_protect", "shared_aware", "adaptive_aging", "learned", *PEER_NAMES)
 """Policies a live server can run (``KVFABRIC_EVICTION_POLICY``; config.py validates against this tuple)."""
 
 ORACLE_POLICIES: tuple[str, ...] = ("optimal",)
@@ -23,8 +28,12 @@ ORACLE_POLICIES: tuple[str, ...] = ("optimal",)
 ALL_POLICIES: tuple[str, ...] = (*POLICY_NAMES, *ORACLE_POLICIES)
 
 
-def make_policy(name: str, settings: PolicySettings | Any | None = None, *, oracle: Any = None) -> EvictionPolicy:
+def make_policy(name: str, settings: PolicySettings | Any | None = None, *, oracle: Any = None,
+                block_size: int | None = None) -> EvictionPolicy:
     """The policy called ``name``; ``settings`` is a :class:`PolicySettings` or the hook's ``HookSettings``.
+
+    ``block_size``: tokens per cache block, where the caller knows it (it replaces ``settings.block_size``; ``tlru``
+    converts its token budgets with it).
 
     ``learned`` reads its model from ``settings.model_path`` (the built-in default when unset); a bad model file
     raises :class:`~kvfabric.policies.reuse_model.ModelError` (a ``ValueError``).
@@ -37,9 +46,12 @@ def make_policy(name: str, settings: PolicySettings | Any | None = None, *, orac
     from kvfabric.policies.base import PolicySettings
     from kvfabric.policies.learned import LearnedPolicy
     from kvfabric.policies.optimal import OptimalPolicy
+    from kvfabric.policies.peers import PEER_POLICIES
 
     if settings is not None and not isinstance(settings, PolicySettings):
         settings = PolicySettings.from_hook_settings(settings)
+    if block_size is not None:
+        settings = dataclasses.replace(settings or PolicySettings(), block_size=int(block_size))
     if name == "optimal":
         if oracle is None:
             raise ValueError("the optimal policy needs the future: only a replay can build it (oracle=...)")
@@ -50,6 +62,7 @@ def make_policy(name: str, settings: PolicySettings | Any | None = None, *, orac
         "shared_aware": builtin.SharedAwarePolicy,
         "adaptive_aging": builtin.AdaptiveAgingPolicy,
         "learned": LearnedPolicy,
+        **PEER_POLICIES,
     }
     try:
         cls = classes[name]

@@ -72,11 +72,21 @@ class PolicySettings:
     protect_min_hit_count: int = 1
     #: The ``learned`` policy's reuse model (``KVFABRIC_POLICY_MODEL``); None = the model shipped with the package.
     model_path: str | None = None
+    #: Tokens per cache block (the pool's; :func:`kvfabric.policies.make_policy` sets it where it is known).
+    block_size: int = 16
+    #: ``tlru``'s TTFT budget ``xi``, in tokens of prefill a returning turn may recompute
+    #: (``KVFABRIC_TLRU_THRESHOLD_TOKENS``).
+    tlru_threshold_tokens: int = 2048
+    #: ``tlru``'s estimate ``Q_hat`` of a next turn's new prompt tokens (``KVFABRIC_TLRU_NEXT_PROMPT_TOKENS``).
+    tlru_next_prompt_tokens: int = 256
 
     @classmethod
     def from_hook_settings(cls, settings: Any) -> PolicySettings:
         return cls(protect_min_hit_count=int(getattr(settings, "protect_min_hit_count", 1)),
-                   model_path=getattr(settings, "policy_model", None) or None)
+                   model_path=getattr(settings, "policy_model", None) or None,
+                   tlru_threshold_tokens=int(getattr(settings, "tlru_threshold_tokens", cls.tlru_threshold_tokens)),
+                   tlru_next_prompt_tokens=int(getattr(settings, "tlru_next_prompt_tokens",
+                                                       cls.tlru_next_prompt_tokens)))
 
 
 @dataclass(frozen=True)

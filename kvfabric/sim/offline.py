@@ -373,7 +373,7 @@ def replay_chains(
             # ending at or past it is sealed again but never hit (counting it as a use misleads the optimum).
             oracle = occurrences_of(keys[: max(0, (n - 1) // block_size)]
                                     for keys, n in zip(chains, input_lengths, strict=True))
-        pol = make_policy(policy, settings, oracle=oracle)
+        pol = make_policy(policy, settings, oracle=oracle, block_size=block_size)
     gate = AnchorAdmissionGate(anchor_blocks) if anchor_blocks > 0 else None
     cache = OfflineCache(num_blocks, pol, block_size, gate)
     window: list[tuple[int, list[int]]] = []

@@ -114,7 +114,7 @@ def attach_steering(
     recorder = installation.recorder
     block_size = installation.block_size
     if policy is None and settings.policy != "lru":
-        policy = make_policy(settings.policy, settings)
+        policy = make_policy(settings.policy, settings, block_size=block_size)
     index = None
     keeper = None
     if policy is not None:
