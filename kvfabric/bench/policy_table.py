@@ -59,8 +59,17 @@ DEFAULT_TRACES = (
     "../shared/traces/mooncake_synthetic_trace.jsonl",
 )
 FRACTIONS = (0.02, 0.05, 0.10, 0.20, 0.30, 0.50)
-POLICIES = ("lru", "family_protect", "shared_aware", "adaptive_aging", "optimal")
+#: Peers (other engines' policies, ``kvfabric/policies/peers.py``) sit beside KVFabric's, the optimum last.
+PEERS = ("lfu", "slru", "fifo", "tlru")
+POLICIES = ("lru", "family_protect", "shared_aware", "adaptive_aging", *PEERS, "optimal")
 OURS = "adaptive_aging"
+
+
+def _shown(sweep: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The policies a page shows: every one of :data:`POLICIES`, except peers a results file predates (a sweep run
+    before they existed has no rows of them; one that has any row of a peer must have all of them)."""
+    present = {r.get("policy") for r in sweep}
+    return tuple(p for p in POLICIES if p not in PEERS or p in present)
 
 
 @functools.lru_cache(maxsize=4)
@@ -247,6 +256,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     _check(data)
     meta = data["meta"]
     sweep = data["sweep"]
+    shown = _shown(sweep)  # (shown, less the peers an older results file lacks)
     lines: list[str] = []
     w = lines.append
     w("## Results")
@@ -262,12 +272,17 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("")
     w("Numbers in the tables come from the fast mode (`kvfabric replay --fast`, `kvfabric/sim/offline.py`):")
     w("the same policies, indexes and statistics as the hook, without vLLM, because replaying the whole traces")
-    w(f"through vLLM's real scheduler {len(POLICIES)} x {len(meta['fractions'])} x 2 times takes hours on 2 cores.")
+    w(f"through vLLM's real scheduler {len(shown)} x {len(meta['fractions'])} x 2 times takes hours on 2 cores.")
     w("The [agreement section](#agreement-real-scheduler-vs-fast-mode) shows both modes on the same rows.")
     w("")
     w("Policies: `lru` (vLLM's own order), `family_protect` and `shared_aware` (docs/design.md §6), `adaptive_aging`")
     w("(this project's: LRU plus an aging credit for proven blocks, learned online from ghost hits; see")
-    w("[below](#adaptive_aging)), `optimal` (Belady's MIN, ties towards deeper blocks, under the same pinning).")
+    if any(p in PEERS for p in shown):
+        w("[below](#adaptive_aging)), other engines' policies as baselines (`lfu`, `slru`, `fifo`: SGLang's rules;")
+        w("`tlru`: tail-optimized LRU, arXiv:2510.15152, at its default budget; docs/design.md §6), `optimal`")
+        w("(Belady's MIN, ties towards deeper blocks, under the same pinning).")
+    else:
+        w("[below](#adaptive_aging)), `optimal` (Belady's MIN, ties towards deeper blocks, under the same pinning).")
     w("")
     for tr in meta["traces"]:
         info = meta["traces"][tr]
@@ -278,16 +293,16 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         w("")
         w("#### Prefix hit rate (%)")
         w("")
-        w("| capacity | blocks | " + " | ".join(POLICIES) + " | LRU-to-optimum gap | gap closed by "
+        w("| capacity | blocks | " + " | ".join(shown) + " | LRU-to-optimum gap | gap closed by "
           f"{OURS} |")
-        w("|---|---|" + "---|" * (len(POLICIES) + 2))
+        w("|---|---|" + "---|" * (len(shown) + 2))
         for f in meta["fractions"]:
-            row = {p: need(sweep, "sweep", trace=tr, fraction=f, policy=p, anchor=0) for p in POLICIES}
-            rates = {p: row[p]["prefix_hit_rate"] * 100 for p in POLICIES}
+            row = {p: need(sweep, "sweep", trace=tr, fraction=f, policy=p, anchor=0) for p in shown}
+            rates = {p: row[p]["prefix_hit_rate"] * 100 for p in shown}
             gap = rates["optimal"] - rates["lru"]
             closed = gap_closed(rates[OURS], rates["lru"], rates["optimal"])
             cells = []
-            for p in POLICIES:
+            for p in shown:
                 mark = ""
                 if p not in ("lru", "optimal") and rates[p] < rates["lru"] - 0.005:
                     mark = " ↓"
@@ -297,13 +312,13 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         w("")
         w("↓ = below LRU. Gap closed by each policy:")
         w("")
-        w("| capacity | " + " | ".join(p for p in POLICIES if p not in ("lru", "optimal")) + " |")
-        w("|---|" + "---|" * (len(POLICIES) - 2))
+        w("| capacity | " + " | ".join(p for p in shown if p not in ("lru", "optimal")) + " |")
+        w("|---|" + "---|" * (len(shown) - 2))
         for f in meta["fractions"]:
             rates = {p: need(sweep, "sweep", trace=tr, fraction=f, policy=p, anchor=0)["prefix_hit_rate"]
-                     for p in POLICIES}
+                     for p in shown}
             cells = []
-            for p in POLICIES:
+            for p in shown:
                 if p in ("lru", "optimal"):
                     continue
                 c = gap_closed(rates[p], rates["lru"], rates["optimal"])
@@ -312,11 +327,11 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
         w("")
         w("#### Wasted prefill tokens (millions; lower is better)")
         w("")
-        w("| capacity | " + " | ".join(POLICIES) + " |")
-        w("|---|" + "---|" * len(POLICIES))
+        w("| capacity | " + " | ".join(shown) + " |")
+        w("|---|" + "---|" * len(shown))
         for f in meta["fractions"]:
             wasted = [need(sweep, "sweep", trace=tr, fraction=f, policy=p, anchor=0)["wasted_prefill_tokens"]
-                      for p in POLICIES]
+                      for p in shown]
             cells = [f"{v / 1e6:.2f}" for v in wasted]
             w(f"| {f:.0%} | " + " | ".join(cells) + " |")
         w("")
@@ -348,7 +363,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
           "wasted fast | replay wall s |")
         w("|---|---|---|---|---|---|---|---|---|")
         for r in sorted(data["full_real"], key=lambda r: (trace_key(r["trace"]), r["fraction"],
-                                                          POLICIES.index(r["policy"]))):
+                                                          shown.index(r["policy"]))):
             # Fast mode's figure for the same capacity (none when the sweep did not run that capacity).
             fst = (need(sweep, "sweep (beside the real scheduler's whole traces)", trace=r["trace"],
                         fraction=r["fraction"], policy=r["policy"], anchor=0)
@@ -426,12 +441,14 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
 
     meta = data["meta"]
     sweep = data["sweep"]
+    shown = _shown(sweep)
     styles = {"lru": ("k", "o"), "family_protect": ("tab:orange", "s"), "shared_aware": ("tab:purple", "^"),
-              "adaptive_aging": ("tab:green", "D"), "optimal": ("tab:red", "")}
+              "adaptive_aging": ("tab:green", "D"), "lfu": ("tab:brown", "x"), "slru": ("tab:pink", "+"),
+              "fifo": ("tab:gray", "1"), "tlru": ("tab:olive", "*"), "optimal": ("tab:red", "")}
     for tr in meta["traces"]:
         name = trace_name(tr)
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        for p in POLICIES:
+        for p in shown:
             xs = [f * 100 for f in meta["fractions"]]
             ys = [need(sweep, f"sweep (plot of {name})", trace=tr, fraction=f, policy=p, anchor=0)["prefix_hit_rate"]
                   * 100 for f in meta["fractions"]]
@@ -456,7 +473,7 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
         fig.savefig(plots_dir / f"policy-hit-rate-{name}.png", dpi=110)
         plt.close(fig)
     # Share of the LRU-to-optimum gap each policy closes (negative: below LRU), per trace and capacity.
-    policies = [p for p in POLICIES if p not in ("lru", "optimal")]
+    policies = [p for p in shown if p not in ("lru", "optimal")]
     traces = list(meta["traces"])
     fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 3.8), squeeze=False)
     for ax, tr in zip(axes[0], traces, strict=True):
