@@ -17,7 +17,11 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-__all__ = ["fetch_run", "read_events", "request_join", "wait_quiescent"]
+__all__ = ["WARMUP_SUFFIX", "fetch_run", "offline_run", "read_events", "request_join", "split_warmup",
+           "wait_quiescent"]
+
+#: A run's warm-up events move to the run id ``<run>`` + this suffix (:func:`split_warmup`).
+WARMUP_SUFFIX = "~warmup"
 
 
 def _get(url: str, timeout: float = 10.0) -> Any:
@@ -59,6 +63,49 @@ def fetch_run(http_url: str, run_id: str, timeout: float = 10.0) -> dict[str, An
     fams = _get(f"{http_url}/api/v1/families?run={q}&limit=1000", timeout)
     families = fams["items"] if isinstance(fams, dict) else fams
     return {"summary": summary, "families": families}
+
+
+def split_warmup(db_path: str, cuts: dict[str, int | None]) -> dict[str, int]:
+    """Move each run's warm-up events to the run id ``<run>~warmup``; returns the rows moved per run.
+
+    ``cuts`` maps a run id to the wall-clock time (ns, the clock of the events' ``ts_ns``) taken after the
+    collector had stored every warm-up event and before the first measured request was sent (None: no warm-up).
+    Moved: every event of the run before the cut, and every later ``block_evicted`` of a block the warm-up sealed
+    (the warm-up's prompts share no block with the scenario's, so such an eviction frees a warm-up block; with the
+    default warm-up, shorter than a block, there are none). The
+    streams table is left alone (the run keeps its streams, gaps and drops). Needs the collector stopped (DuckDB
+    allows one writing process); a run with no events before its cut moves nothing, so a second call is a no-op.
+    """
+    import duckdb
+
+    moved: dict[str, int] = {}
+    con = duckdb.connect(db_path)
+    try:
+        for run, cut in cuts.items():
+            if cut is None:
+                moved[run] = 0
+                continue
+            warm = run + WARMUP_SUFFIX
+            con.execute("BEGIN TRANSACTION")
+            con.execute("UPDATE events SET run_id = ? WHERE run_id = ? AND ts_ns < ?", [warm, run, cut])
+            con.execute(
+                "UPDATE events SET run_id = ? WHERE run_id = ? AND event = 'block_evicted' AND block_hash IN "
+                "(SELECT block_hash FROM events WHERE run_id = ? AND event = 'block_sealed')", [warm, run, warm])
+            row = con.execute("SELECT count(*) FROM events WHERE run_id = ?", [warm]).fetchone()
+            con.execute("COMMIT")
+            moved[run] = int(row[0]) if row else 0
+    finally:
+        con.close()
+    return moved
+
+
+def offline_run(db_path: str, run_id: str) -> dict[str, Any]:
+    """:func:`fetch_run`'s answer computed from the collector's file (stopped collector), by the same queries the
+    collector's REST routes run."""
+    from kvfabric.queries.runner import QueryRunner
+
+    runner = QueryRunner.for_path(db_path)
+    return {"summary": runner.run_summary(run_id), "families": runner.families(run=run_id, limit=1000)}
 
 
 def read_events(db_path: str, run_ids: list[str]) -> dict[str, dict[str, Any]]:

@@ -1,4 +1,6 @@
-"""The A/B report's PNG plots (matplotlib, headless): hit rate, TTFT CDF, evictions split, rebuilt over time."""
+"""The A/B report's PNG plots (matplotlib, headless): hit rate, TTFT CDF (overall and per traffic component),
+evictions split, rebuilt over time; under ``--capacities`` hit rate and TTFT p50 against capacity. Plots of one
+capacity show the primary one (:func:`kvfabric.bench.report.primary_runs`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # headless: no display on servers and in CI
 import matplotlib.pyplot as plt
 
+from kvfabric.bench.report import primary_runs
 from kvfabric.bench.stats import median
 
 __all__ = ["write_plots"]
@@ -52,7 +55,7 @@ def _ttft_cdf(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for p in policies:
         pooled: list[float] = []
-        for r in result["runs"]:
+        for r in primary_runs(result):
             if r["policy"] != p or not r["ttfts"]:
                 continue
             xs = sorted(1000 * t for t in r["ttfts"])
@@ -80,7 +83,7 @@ def _evictions(result: dict[str, Any], path: Path) -> None:
     policies = result["policies"]
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for j, p in enumerate(policies):
-        mine = [r for r in result["runs"] if r["policy"] == p]
+        mine = [r for r in primary_runs(result) if r["policy"] == p]
         shared = median([r["evicted_shared"] for r in mine]) or 0
         private = median([r["evicted_private"] for r in mine]) or 0
         ax.bar(j, private, 0.6, color=_color(policies, p), alpha=0.45, edgecolor="black", linewidth=0.4,
@@ -103,7 +106,7 @@ def _rebuilt(result: dict[str, Any], path: Path) -> None:
     policies = result["policies"]
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     labelled: set[str] = set()
-    for r in result["runs"]:
+    for r in primary_runs(result):
         xs = r["rebuilt_s"]
         p = r["policy"]
         if not xs:  # nothing rebuilt: a flat line over the run, so the arm is still seen
@@ -123,15 +126,85 @@ def _rebuilt(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _ttft_cdf_by_component(result: dict[str, Any], path: Path) -> None:
+    policies = result["policies"]
+    names = list(result["traffic"])
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], names, strict=True):
+        for p in policies:
+            pooled = sorted(1000 * t for r in primary_runs(result) if r["policy"] == p
+                            for t in r["ttfts_by_component"].get(name, []))
+            if pooled:
+                ax.plot(pooled, [(i + 1) / len(pooled) for i in range(len(pooled))], color=_color(policies, p),
+                        linewidth=1.8, label=p)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_title(f"{name}", fontsize=10)
+        ax.set_xlabel("TTFT (ms, log scale)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("fraction of requests (all repetitions)")
+    fig.suptitle("TTFT CDF per traffic component", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _vs_capacity(result: dict[str, Any], path: Path, key: str, scale: float, ylabel: str, title: str) -> None:
+    policies = result["policies"]
+    sw = result["sweep"]
+    caps = sw["capacities"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for p in policies:
+        xs, ys, lo, hi = [], [], [], []
+        for c in caps:
+            s = sw["per_capacity"][str(c)]["by_policy"][p][key]
+            if s["median"] is None:
+                continue
+            xs.append(c)
+            ys.append(scale * s["median"])
+            lo.append(scale * (s["median"] - s["min"]))
+            hi.append(scale * (s["max"] - s["median"]))
+        if xs:
+            ax.errorbar(xs, ys, yerr=[lo, hi], color=_color(policies, p), marker="o", capsize=3, label=p)
+    ax.set_xlabel("KV pool (blocks)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _hit_rate_vs_capacity(result: dict[str, Any], path: Path) -> None:
+    _vs_capacity(result, path, "prefix_hit_rate", 100.0, "prefix hit rate (%, collector)",
+                 "Prefix hit rate against KV capacity (median, range)")
+
+
+def _ttft_vs_capacity(result: dict[str, Any], path: Path) -> None:
+    _vs_capacity(result, path, "ttft_p50_s", 1000.0, "TTFT p50 (ms)", "TTFT p50 against KV capacity (median, range)")
+
+
 def write_plots(directory: Path, result: dict[str, Any]) -> dict[str, str]:
-    """Write the four plots; returns {title: path relative to the report}."""
+    """Write the plots; returns {title: path relative to the report}."""
     directory.mkdir(parents=True, exist_ok=True)
-    plots = {
-        "Prefix hit rate": ("hit_rate.png", _hit_rate),
-        "TTFT CDF": ("ttft_cdf.png", _ttft_cdf),
-        "Evictions: shared anchors vs private tails": ("evictions.png", _evictions),
-        "Rebuilt blocks over time": ("rebuilt_over_time.png", _rebuilt),
-    }
+    plots: dict[str, tuple[str, Any]] = {}
+    if result.get("sweep"):
+        plots["Prefix hit rate against KV capacity"] = ("hit_rate_vs_capacity.png", _hit_rate_vs_capacity)
+        plots["TTFT p50 against KV capacity"] = ("ttft_vs_capacity.png", _ttft_vs_capacity)
+    at = f" at {result['capacity']:,} blocks" if result.get("capacity") is not None else ""
+    plots.update({
+        f"Prefix hit rate{at}": ("hit_rate.png", _hit_rate),
+        f"TTFT CDF{at}": ("ttft_cdf.png", _ttft_cdf),
+    })
+    if result.get("traffic"):
+        plots[f"TTFT CDF per traffic component{at}"] = ("ttft_cdf_by_component.png", _ttft_cdf_by_component)
+    plots.update({
+        f"Evictions: shared anchors vs private tails{at}": ("evictions.png", _evictions),
+        f"Rebuilt blocks over time{at}": ("rebuilt_over_time.png", _rebuilt),
+    })
     out: dict[str, str] = {}
     for title, (name, fn) in plots.items():
         fn(result, directory / name)

@@ -16,9 +16,9 @@ from kvfabric.bench.report import NO_CALL, family_kind, verdict
 from kvfabric.bench.stats import percentile, spread
 from kvfabric.cli import main as cli_main
 
-HEADLINE = ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "requests_per_s",
-            "rebuilt_from_eviction_blocks", "shared_anchor_eviction_ratio", "wasted_prefill_tokens",
-            "client_cached_tokens", "collector_hit_tokens")
+HEADLINE = ("prefix_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p90_s", "tpot_p50_s",
+            "requests_per_s", "goodput_per_s", "rebuilt_from_eviction_blocks", "shared_anchor_eviction_ratio",
+            "wasted_prefill_tokens", "client_cached_tokens", "collector_hit_tokens")
 
 # Two template families revisited after cold traffic that flushes an LRU cache; tiny, and fast (no modelled time).
 SCENARIO = """
