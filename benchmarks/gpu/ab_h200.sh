@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # kvfabric ab against a real `vllm serve` on the H200: vLLM 0.26.0, Llama-3-8B shape with dummy weights, compiled
 # (torch.compile + CUDA graphs), KV limited by --num-gpu-blocks-override so that the scenarios are under pressure;
-# template_family_revisit and ordinary_unique_cold, lru against adaptive_aging, 3 repetitions each.
+# template_family_revisit and ordinary_unique_cold, lru against adaptive_aging, 5 repetitions each, by the fair
+# method of docs/design.md §8.3: arms interleaved (ABAB), one server at a time (PRESTART=0: nothing else starts or
+# compiles on the GPU while an arm is measured), a warm-up per server excluded from every number. CAPACITIES=a,b
+# sweeps the KV pool (kvfabric ab --capacities; lru must be in POLICIES) and reports the KV saved at equal hit rate.
 #
 # On the GPU machine, from the checkout root, after the staging recipe of benchmarks/gpu/staging/README.md (vLLM 0.26.0 and
 # this project's wheel, duckdb, installed into /tmp/site):
@@ -13,24 +16,27 @@
 # Rehearsal on a CPU machine (kvfabric sim-serve stands in for vllm serve, same command line otherwise):
 #     SERVE=sim SITE= OUT=/tmp/ab-rehearsal bash benchmarks/gpu/ab_h200.sh
 #
-# Device time (the scarce part). One `kvfabric ab` runs both scenarios against one collector; the first server
-# starts alone (it fills vLLM's compile cache), then --prestart 2 starts the next two arms' servers while an arm
-# runs, so start-up (import ~20 s + engine start ~30-50 s) overlaps the runs. Expected on the H200: first start
-# ~70-90 s, then 11 arms at ~max(run ~25 s, start / 2) ~ 30 s each, plus collector and report: ~7-8 min in all.
-# Three servers share the GPU at a time (0.25 of its memory each: 16 GB of weights, ~2.5 GB of KV at 1,280 blocks).
-# If that looks too close to the 10-minute command limit, run one scenario per command on the warm machine (the
-# compile cache stays): SCENARIOS=template_family_revisit ..., then SCENARIOS=ordinary_unique_cold ...; a run cut
-# short by LIMIT_S still reports the arms that finished.
+# Device time (the scarce part). One `kvfabric ab` runs the scenarios against one collector, one server at a time
+# (the first start fills vLLM's compile cache; later starts reuse it). Expected on the H200: first start ~70-90 s,
+# then per arm start ~45-60 s + warm-up ~2 s + run ~25 s: 20 arms (2 scenarios x 2 policies x 5) do not fit one
+# 10-minute command. Run one scenario per command on the warm machine (SCENARIOS=template_family_revisit ..., then
+# SCENARIOS=ordinary_unique_cold ...; the compile cache stays), two policies x 5 repetitions ~ 10 x 75 s, still
+# close to LIMIT_S: a run cut short by LIMIT_S reports the arms that finished (their warm-ups split off by
+# --report-only below), and its report shows how many repetitions each arm got.
+# PRESTART=2 brings back the overlapped start-ups (faster, noisier; the report then says the arms were not isolated).
 set -euo pipefail
 
 OUT=${OUT:?set OUT to the folder whose files come back}
 PY=${PYTHON:-python3}
 SITE=${SITE-/tmp/site}
 SERVE=${SERVE:-vllm}            # vllm | sim
-REPEAT=${REPEAT:-3}
+REPEAT=${REPEAT:-5}
 POLICIES=${POLICIES:-lru,adaptive_aging}
 SCENARIOS=${SCENARIOS:-template_family_revisit,ordinary_unique_cold}
-PRESTART=${PRESTART:-2}
+PRESTART=${PRESTART:-0}
+WARMUP=${WARMUP:-8}
+CAPACITIES=${CAPACITIES:-}        # e.g. 640,960,1280: a KV pool sweep (lru must be in POLICIES)
+TTFT_SLO_MS=${TTFT_SLO_MS:-}      # overrides the scenarios' ttft_slo_ms for goodput
 LIMIT_S=${LIMIT_S:-570}         # the device tool allows 600 s a command
 
 export PYTHONPATH="$PWD${SITE:+:$SITE}"   # this checkout's kvfabric first, then vLLM 0.26 and the wheels
@@ -85,7 +91,8 @@ t0=$(date +%s)
 # Stop (SIGINT: servers and collector are shut down cleanly) before the device tool's 10-minute command limit, so
 # that what finished can still be reported below.
 timeout --signal=INT "$LIMIT_S" "$PY" -m kvfabric.cli ab --scenario "$SCENARIOS" --policies "$POLICIES" \
-  --repeat "$REPEAT" --serve-cmd "$CMD" --prestart "$PRESTART" --ready-timeout 480 --out "$OUT/ab/run" \
+  --repeat "$REPEAT" --serve-cmd "$CMD" --prestart "$PRESTART" --warmup "$WARMUP" --ready-timeout 480 \
+  ${CAPACITIES:+--capacities "$CAPACITIES"} ${TTFT_SLO_MS:+--ttft-slo-ms "$TTFT_SLO_MS"} --out "$OUT/ab/run" \
   --format json --no-progress 2>&1 | tee "$OUT/ab/console.log"
 rc=${PIPESTATUS[0]}
 if [ "$rc" -ne 0 ] && [ -d "$OUT/ab/run" ]; then
