@@ -66,11 +66,12 @@ if [ "$SERVE" = sim ]; then
 --block-size {block_size} --max-model-len {max_model_len} --host 127.0.0.1 --port {port}"
 else
   # A fixed KV budget skips vLLM's memory profiling, which fails when another process frees GPU memory meanwhile
-  # (a finished arm's server stopping while the next ones start); 4 GiB holds 2,048 Llama-3-8B blocks of 16 tokens
-  # (2 MiB each), and --num-gpu-blocks-override then sets the scenario's pool. Only where this vLLM has the option.
+  # (a server stopping while the next one starts); KV_CACHE_GIB (default 24) holds 12,288 Llama-3-8B blocks of 16
+  # tokens (2 MiB each), the largest pool of the bundled scenarios, and --num-gpu-blocks-override then sets the
+  # scenario's pool. Only where this vLLM has the option.
   KVMEM=""
   if grep -qs "kv_cache_memory_bytes" "$("$PY" -c 'import importlib.util as u; print(u.find_spec("vllm.engine.arg_utils").origin)')"; then
-    KVMEM="--kv-cache-memory-bytes 4294967296"
+    KVMEM="--kv-cache-memory-bytes $(( ${KV_CACHE_GIB:-24} * 1073741824 ))"
   fi
   CMD="$PY -m vllm.entrypoints.cli.main serve $MODEL_DIR --served-model-name llama-3-8b --load-format dummy \
 --skip-tokenizer-init --enable-prefix-caching --enable-prompt-tokens-details --num-gpu-blocks-override {kv_blocks} \
