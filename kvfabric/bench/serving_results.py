@@ -1,0 +1,333 @@
+"""``python -m kvfabric.bench.serving_results``: docs/serving-results.md, rendered from the committed A/B results.
+
+Inputs (each folder is one ``kvfabric ab --out`` directory, as the command wrote it; only its ``ab.json`` is read):
+
+* ``benchmarks/results/gpu/serving/<name>/``: runs on the H200 (``benchmarks/gpu/ab_h200.sh``), with the
+  machine's ``environment.txt`` beside them in ``benchmarks/results/gpu/serving/``;
+* ``benchmarks/results/serving/cpu_ab/<name>/``: the same A/B on CPU, ``kvfabric sim-serve`` with the H200 latency
+  model (``kvfabric/sim/latency.py``);
+* ``benchmarks/results/serving/cpu_sweep/<name>/``: ``kvfabric ab --capacities`` on CPU (KV saved at equal hit
+  rate);
+* ``benchmarks/results/serving/cpu_screen/<name>/``: one run per policy without latency (which victims each
+  policy picks).
+
+Invariants: the page is a pure function of those files (same files, same bytes: ``--check`` compares); every
+number on it is read from them; a table is written only with rows (a source folder without an ``ab.json``, or an
+``ab.json`` without runs, is an error, not an empty table); a difference is called only where the A/B's own rule
+(:func:`kvfabric.bench.report.verdict`) calls it, otherwise it reads "none".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfabric.argtypes import HelpFormatter
+from kvfabric.bench.report import COMPONENT, HEADLINE, NO_CALL, fmt
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path("benchmarks/results")
+PAGE = Path("docs/serving-results.md")
+
+GPU = RESULTS / "gpu" / "serving"
+CPU_AB = RESULTS / "serving" / "cpu_ab"
+CPU_SWEEP = RESULTS / "serving" / "cpu_sweep"
+CPU_SCREEN = RESULTS / "serving" / "cpu_screen"
+
+#: The headline rows the page shows (a subset of the report's, same keys and units).
+PAGE_METRICS = ("prefix_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "tpot_p50_s",
+                "requests_per_s", "goodput_per_s", "rebuilt_from_eviction_blocks", "wasted_prefill_tokens")
+COMPONENT_METRICS = ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "requests_per_s", "goodput_per_s")
+
+#: Revisit-heavy long-context scenarios (the issue's TTFT and throughput targets apply to these).
+LONG_CONTEXT = ("rag_document_revisit", "long_conversation_return", "agent_tool_loop", "trace_mooncake_arrivals")
+PEERS = ("lfu", "slru", "fifo", "tlru")
+
+
+class ResultsError(ValueError):
+    """A results folder the page needs is missing or holds no rows."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """One ``kvfabric ab`` output directory: its ``ab.json`` and where it lies (relative to the repository)."""
+
+    path: Path
+    data: dict[str, Any]
+    root: Path = ROOT
+
+    def has_plot(self, name: str) -> bool:
+        return (self.root / self.path / "plots" / name).is_file()
+
+    @property
+    def scenario(self) -> str:
+        return str(self.data["plan"]["scenario"]["name"])
+
+    @property
+    def policies(self) -> list[str]:
+        return list(self.data["policies"])
+
+    def median(self, policy: str, key: str) -> float | None:
+        entry = self.data["by_policy"].get(policy, {}).get(key)
+        return None if entry is None else entry.get("median")
+
+
+def load(folder: Path, root: Path = ROOT) -> list[Result]:
+    """Every ``ab.json`` directly under ``folder`` (one per sub-folder), sorted by name; none when it is absent."""
+    base = root / folder
+    if not base.is_dir():
+        return []
+    out = []
+    for sub in sorted(p for p in base.iterdir() if p.is_dir()):
+        f = sub / "ab.json"
+        if not f.is_file():
+            raise ResultsError(f"{sub.relative_to(root)}: no ab.json (a results folder must hold what ab wrote)")
+        data = json.loads(f.read_text())
+        if not data.get("runs"):
+            raise ResultsError(f"{f.relative_to(root)}: no runs")
+        out.append(Result(sub.relative_to(root), data, root))
+    return out
+
+
+# -- rendering ----------------------------------------------------------------------------------------------------
+_UNITS = {k: u for k, _, _, u in HEADLINE} | {k: u for k, _, _, u in COMPONENT} | {"e2e_p50_s": "ms"}
+_LABELS = {k: label for k, label, _, _ in HEADLINE} | {"goodput_per_s": "goodput (requests/s within the SLO)"}
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    rows = list(rows)
+    if not rows:
+        raise ResultsError(f"a table ({' | '.join(header)}) would have no rows")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _cell(entry: dict[str, Any] | None, unit: str) -> str:
+    """Median, and the range when the runs differ."""
+    if entry is None or entry.get("median") is None:
+        return "n/a"
+    text = fmt(entry["median"], unit)
+    if entry.get("min") is not None and entry.get("max") is not None and entry["min"] != entry["max"]:
+        text += f" ({fmt(entry['min'], unit)} - {fmt(entry['max'], unit)})"
+    return text
+
+
+def _call(v: dict[str, Any] | None) -> str:
+    """The A/B's verdict as the page says it: the relative change where a difference is called, else "none"."""
+    if v is None:
+        return "n/a"
+    if v["call"] in NO_CALL or v.get("relative") is None:
+        return "none" if v["call"] == "no difference" else v["call"]
+    return f"{v['call']}: {v['relative'] * 100:+.1f} %"
+
+
+def _ab_section(r: Result, title: str) -> list[str]:
+    d = r.data
+    plan = d["plan"]
+    base = d["baseline"]
+    others = [p for p in r.policies if p != base]
+    reps = sorted({run["repetition"] for run in d["runs"]})
+    iso = plan.get("isolated")
+    slo = d.get("ttft_slo_ms")
+    out = [f"### {title}: `{r.scenario}`", ""]
+    out.append(f"{len(d['runs'])} runs ({len(reps)} repetitions of {', '.join(f'`{p}`' for p in r.policies)}"
+               f"{', interleaved' if plan.get('order') else ''}"
+               f"{', isolated arms' if iso else ', arms not isolated' if iso is False else ''}), "
+               f"KV pool {plan['arms'][0].get('kv_blocks') or plan['scenario']['server']['kv_blocks']:,} blocks"
+               + (f", TTFT SLO {slo:g} ms" if slo else "") + f". Source: [`{r.path}/`](../{r.path}/report.md).")
+    out.append("")
+    header = ["metric", *[f"`{p}`" for p in r.policies], *[f"`{p}` vs `{base}`" for p in others]]
+    rows = []
+    for key in PAGE_METRICS:
+        if key not in d["by_policy"][base]:
+            continue
+        unit = _UNITS.get(key, "")
+        rows.append([_LABELS.get(key, key), *[_cell(d["by_policy"][p].get(key), unit) for p in r.policies],
+                     *[_call(d["verdicts"][p].get(key)) for p in others]])
+    out += _table(header, rows)
+    traffic = d.get("traffic") or {}
+    if traffic:
+        out += ["", "By traffic component (client):", ""]
+        rows = []
+        for name, t in traffic.items():
+            for key in COMPONENT_METRICS:
+                if key not in t["by_policy"][base]:
+                    continue
+                unit = _UNITS.get(key, "")
+                rows.append([f"{name}: {_LABELS.get(key, key)}",
+                             *[_cell(t["by_policy"][p].get(key), unit) for p in r.policies],
+                             *[_call(t["verdicts"][p].get(key)) for p in others]])
+        out += _table(["component: metric", *header[1:]], rows)
+    plots = [p for p in ("ttft_cdf_by_component.png", "ttft_cdf.png", "hit_rate.png")
+             if r.has_plot(p)]
+    if plots:
+        out += ["", " ".join(f"![{p}](../{r.path}/plots/{p})" for p in plots[:2])]
+    out.append("")
+    return out
+
+
+def _sweep_section(r: Result) -> list[str]:
+    sw = r.data.get("sweep")
+    if not sw:
+        raise ResultsError(f"{r.path}: a sweep folder whose ab.json has no sweep")
+    out = [f"### `{r.scenario}`: capacities {', '.join(f'{c:,}' for c in sw['capacities'])} blocks", "",
+           f"Source: [`{r.path}/`](../{r.path}/report.md).", ""]
+    rows = []
+    for k in sw["kv_saved"]:
+        saved = k.get("saved")
+        text = "n/a" if saved is None else f"{saved * 100:.0f} %"
+        if k.get("bound") == "lower":
+            text = ">= " + text
+        elif k.get("bound") == "upper":
+            text = "<= " + text
+        lru_c = k.get("lru_capacity")
+        rows.append([f"{k['capacity']:,}", f"`{k['policy']}`", fmt(k.get("hit_rate"), "pct"),
+                     "n/a" if lru_c is None else f"{lru_c:,.0f}", text])
+    out += _table(["capacity (blocks)", "policy", "prefix hit rate", "LRU needs (blocks)", "KV saved"], rows)
+    for p in ("hit_rate_vs_capacity.png", "ttft_vs_capacity.png"):
+        if r.has_plot(p):
+            out += ["", f"![{p}](../{r.path}/plots/{p})"]
+    out.append("")
+    return out
+
+
+def _screen_section(results: list[Result]) -> list[str]:
+    policies = list(dict.fromkeys(p for r in results for p in r.policies))
+    rows = [[f"`{r.scenario}`", *[fmt(r.median(p, "prefix_hit_rate"), "pct") if p in r.policies else "-"
+                                   for p in policies]] for r in results]
+    return [*_table(["scenario", *[f"`{p}`" for p in policies]], rows), ""]
+
+
+# -- targets ------------------------------------------------------------------------------------------------------
+def _best(r: Result) -> str | None:
+    """The non-LRU policy with the lowest median TTFT p50 (the run's candidate for "best configuration")."""
+    cands = [p for p in r.policies if p != "lru" and r.median(p, "ttft_p50_s") is not None]
+    return min(cands, key=lambda p: r.median(p, "ttft_p50_s")) if cands else None  # type: ignore[arg-type,return-value]
+
+
+def _rel(v: dict[str, Any] | None) -> float | None:
+    return None if v is None else v.get("relative")
+
+
+def targets(gpu: list[Result], sweeps: list[Result]) -> list[list[str]]:
+    """One row per (target, scenario) the results can speak to: what was measured and whether it is met."""
+    rows: list[list[str]] = []
+    for r in gpu:
+        if "lru" not in r.policies:
+            continue
+        best = _best(r)
+        if best is None:
+            continue
+        v = r.data["verdicts"][best]
+        if r.scenario in LONG_CONTEXT:
+            for key in ("ttft_p50_s", "ttft_p90_s"):
+                rel, call = _rel(v.get(key)), (v.get(key) or {}).get("call")
+                met = call == "better" and rel is not None and rel <= -0.20
+                rows.append([f"{_LABELS[key]} >= 20 % below LRU", f"`{r.scenario}` (`{best}`)",
+                             _call(v.get(key)), "met" if met else "not met"])
+            thr = [(k, _rel(v.get(k)), (v.get(k) or {}).get("call")) for k in ("requests_per_s", "goodput_per_s")]
+            met = any(c == "better" and x is not None and x >= 0.10 for _, x, c in thr)
+            rows.append(["requests/s or goodput >= 10 % above LRU", f"`{r.scenario}` (`{best}`)",
+                         "; ".join(f"{k.removesuffix('_per_s')}: {_call(v.get(k))}" for k, _, _ in thr),
+                         "met" if met else "not met"])
+            peers = [p for p in r.policies if p in PEERS]
+            if peers and best not in PEERS:
+                p50 = {p: r.median(p, "ttft_p50_s") for p in [best, *peers]}
+                ahead = all(p50[best] is not None and p50[p] is not None and p50[best] < p50[p] for p in peers)
+                rows.append(["ahead of every peer policy (TTFT p50)", f"`{r.scenario}`",
+                             ", ".join(f"`{p}` {fmt(p50[p], 'ms')}" for p in [best, *peers]),
+                             "ahead" if ahead else "not ahead"])
+        elif r.scenario == "ordinary_unique_cold":
+            worst = max((abs(_rel(v.get(k)) or 0.0), k) for k in PAGE_METRICS if k.endswith("_s") or "per_s" in k)
+            rows.append(["within 1 % of LRU on every latency and throughput metric", f"`{r.scenario}` (`{best}`)",
+                         f"largest change {worst[0] * 100:.1f} % ({_LABELS.get(worst[1], worst[1])})",
+                         "met" if worst[0] <= 0.01 else "not met"])
+    for r in sweeps:
+        for k in r.data["sweep"]["kv_saved"]:
+            if k["policy"] == "lru" or k.get("saved") is None:
+                continue
+            met = k["saved"] >= 0.25 and k.get("bound") != "upper"
+            rows.append(["same hit rate as LRU with >= 25 % fewer KV blocks (CPU sweep)",
+                         f"`{r.scenario}` (`{k['policy']}` at {k['capacity']:,})",
+                         f"{'>= ' if k.get('bound') == 'lower' else ''}{k['saved'] * 100:.0f} % saved",
+                         "met" if met else "not met"])
+    return rows
+
+
+# -- the page -----------------------------------------------------------------------------------------------------
+def render(root: Path = ROOT) -> str:
+    gpu, cpu_ab, sweeps, screen = (load(f, root) for f in (GPU, CPU_AB, CPU_SWEEP, CPU_SCREEN))
+    if not (gpu or cpu_ab or sweeps or screen):
+        raise ResultsError("no results at all under benchmarks/results/{gpu/serving,serving/*}")
+    w = ["# Serving results: where the policies pay, measured", "",
+         "Generated by `python -m kvfabric.bench.serving_results` from the results folders each section names; "
+         "every number below is read from them. Each A/B is `kvfabric ab` (fresh server per arm, arms interleaved, "
+         "warm-up excluded; docs/design.md §8.3). A difference is called only where the arms' ranges do not "
+         "overlap and the medians differ by more than the wider range; otherwise it reads \"none\".", ""]
+    w += ["## Targets", ""]
+    rows = targets(gpu, sweeps)
+    if rows:
+        w += _table(["target", "scenario (policy)", "measured", "verdict"], rows)
+    else:
+        w.append("No run yet speaks to the targets (they need H200 runs or a capacity sweep).")
+    w.append("")
+    if gpu:
+        env = root / GPU / "environment.txt"
+        w += ["## On the H200", ""]
+        if env.is_file():
+            w += ["Machine and software (`environment.txt`):", "", "```", *env.read_text().strip().splitlines(),
+                  "```", ""]
+        for r in gpu:
+            w += _ab_section(r, "H200")
+    if cpu_ab:
+        w += ["## On CPU, with the H200 latency model", "",
+              "`kvfabric sim-serve`: vLLM's real server, scheduler and KV cache manager on CPU, each step's forward "
+              "pass timed by the model fitted to H200 measurements (`kvfabric/sim/latency.py`).", ""]
+        for r in cpu_ab:
+            w += _ab_section(r, "CPU")
+    if sweeps:
+        w += ["## KV saved at equal hit rate (CPU, latency model)", "",
+              "For each policy and pool: the pool LRU needs for the same prefix hit rate (LRU's median hit rate "
+              "over the swept pools, made non-decreasing, read between them as straight lines), and the share of "
+              "it saved; `>=` where the policy's hit rate is above LRU's best in the sweep.", ""]
+        for r in sweeps:
+            w += _sweep_section(r)
+    if screen:
+        w += ["## Screening: prefix hit rate per policy (CPU, no latency)", "",
+              f"One run per policy, the forward pass taking no time ([`{CPU_SCREEN}/`](../{CPU_SCREEN}/README.md)): "
+              "which victims each policy picks on each scenario's pool and traffic; no latency is measured.", ""]
+        w += _screen_section(screen)
+    return "\n".join(w).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvfabric.bench.serving_results", formatter_class=HelpFormatter,
+                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--out", default=str(ROOT / PAGE), help="the page to write")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when the page differs")
+    args = ap.parse_args(argv)
+    try:
+        text = render()
+    except ResultsError as e:
+        print(f"serving_results: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if args.check:
+        if not out.is_file() or out.read_text() != text:
+            print(f"serving_results: {out} is not what the results render; run python -m "
+                  "kvfabric.bench.serving_results", file=sys.stderr)
+            return 1
+        return 0
+    out.write_text(text)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

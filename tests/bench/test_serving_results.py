@@ -1,0 +1,63 @@
+"""docs/serving-results.md is exactly what the committed results render, and the generator refuses results it
+cannot show: a folder without ab.json, an ab.json without runs, a table that would have no rows."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvfabric.bench import serving_results as sr
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_committed_page_is_what_the_committed_results_render() -> None:
+    assert sr.main(["--check"]) == 0, "run python -m kvfabric.bench.serving_results and commit the page"
+
+
+def _copy_results(tmp: Path) -> Path:
+    for folder in (sr.GPU, sr.CPU_AB, sr.CPU_SWEEP, sr.CPU_SCREEN):
+        if (ROOT / folder).is_dir():
+            shutil.copytree(ROOT / folder, tmp / folder, ignore=shutil.ignore_patterns("*.png", "runs", "logs"))
+    return tmp
+
+
+def test_a_results_file_without_runs_is_an_error_not_an_empty_table(tmp_path: Path) -> None:
+    root = _copy_results(tmp_path)
+    page = sr.render(root)
+    assert "| `long_conversation_return` |" in page
+    victim = root / sr.CPU_SCREEN / "long_conversation_return" / "ab.json"
+    data = json.loads(victim.read_text())
+    data["runs"] = []
+    victim.write_text(json.dumps(data))
+    with pytest.raises(sr.ResultsError, match="no runs"):
+        sr.render(root)
+
+
+def test_a_results_folder_without_ab_json_is_an_error(tmp_path: Path) -> None:
+    root = _copy_results(tmp_path)
+    (root / sr.CPU_SCREEN / "long_conversation_return" / "ab.json").unlink()
+    with pytest.raises(sr.ResultsError, match=r"no ab\.json"):
+        sr.render(root)
+
+
+def test_removing_a_row_changes_the_page(tmp_path: Path) -> None:
+    """A results folder removed whole: its row leaves the page, so ``--check`` against the committed page fails."""
+    root = _copy_results(tmp_path)
+    before = sr.render(root)
+    shutil.rmtree(root / sr.CPU_SCREEN / "agent_tool_loop")
+    after = sr.render(root)
+    assert "| `agent_tool_loop` |" in before and "| `agent_tool_loop` |" not in after
+
+
+def test_no_results_at_all_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(sr.ResultsError, match="no results"):
+        sr.render(tmp_path)
+
+
+def test_tables_refuse_to_be_empty() -> None:
+    with pytest.raises(sr.ResultsError, match="no rows"):
+        sr._table(["a", "b"], [])
