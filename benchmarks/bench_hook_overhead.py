@@ -18,7 +18,9 @@ from round to round, which lockstep cancels out of each round's ratios). ``*_pai
 round's own ratio (the modes of a round ran under the same machine speed); ``*_round_ratio_range``: their range.
 ``streaming_forwarder_cpu_s``: the forwarder process's CPU seconds per run. With ``--format json`` the last line is
 one JSON object with ``off_vs_plain``, ``recording_vs_plain``, ``streaming_vs_plain``, ``adaptive_aging_vs_plain``
-and ``plain_spread``.
+and ``plain_spread``. ``--out X.md`` also writes ``X.json``: that object plus the run's command, machine, date, every
+round's CPU seconds per mode, and where ``kvfabric`` was imported from with which compiled parts built (a checkout
+without its C extensions built runs the Python reference code, a different cost).
 
 How sure a run is about a target (:data:`TARGETS`, ``*_target_verdict``): the rounds' own ratios are independent
 draws around the mode's true median ratio, so the interval from their least to their greatest covers that median
@@ -45,8 +47,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kvfabric
 from kvfabric.collector import CollectorConfig, CollectorProcess
+from kvfabric.contract import ring
 from kvfabric.demo import choose_port
+from kvfabric.engine import compiled
+from kvfabric.policies import native_index
 
 MODES = ("plain", "off", "recording", "streaming", "adaptive_aging")
 _ENV = ("KVFABRIC_LIFECYCLE", "KVFABRIC_SINK", "KVFABRIC_RUN_ID", "KVFABRIC_EVICTION_POLICY")
@@ -214,6 +220,21 @@ def per_op_cost(num_blocks: int, hooked: bool, cycles: int = 2000) -> float:
     return best
 
 
+def _provenance(args: argparse.Namespace, times: dict[str, list[float]]) -> dict[str, Any]:
+    """What a reader needs to compare this run with another: the command, the machine, every round's CPU seconds,
+    and which code ran (the package's location and which of its compiled parts were built)."""
+    return {
+        "command": "python benchmarks/bench_hook_overhead.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "round_cpu_s": {m: [round(x, 4) for x in v] for m, v in times.items()},
+        "targets": TARGETS,
+        "kvfabric_path": os.path.dirname(os.path.dirname(os.path.abspath(kvfabric.__file__))),
+        "compiled": {"recorder": compiled.BUILT, "victim_index": native_index.BUILT, "ring": ring.COMPILED},
+        "kvfabric_native_env": os.environ.get("KVFABRIC_NATIVE"),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -323,8 +344,11 @@ def main() -> int:
         lines.append("")
     lines += ["JSON:", "", "```", json.dumps(result, sort_keys=True), "```"]
     text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(result | {"meta": _provenance(args, times)}, indent=1,
+                                                   sort_keys=True) + "\n")
     if args.format == "json":
         print(json.dumps(result, sort_keys=True))
     else:
