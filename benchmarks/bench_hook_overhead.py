@@ -66,6 +66,7 @@ def _process_cpu_s(pid: int) -> float:
     return float(stats["cpu_s"]) if stats is not None else 0.0
 
 
+_LOAD_AT_START = 0.0  # the 1-minute load average when the rounds begin (set by main)
 TARGETS = {"off": 1.005, "streaming": 1.05, "adaptive_aging": 1.10}
 """The CPU targets of the hook's cost, over plain (docs/design.md §9)."""
 
@@ -232,6 +233,8 @@ def _provenance(args: argparse.Namespace, times: dict[str, list[float]]) -> dict
         "kvfabric_path": os.path.dirname(os.path.dirname(os.path.abspath(kvfabric.__file__))),
         "compiled": {"recorder": compiled.BUILT, "victim_index": native_index.BUILT, "ring": ring.COMPILED},
         "kvfabric_native_env": os.environ.get("KVFABRIC_NATIVE"),
+        # Other work on the machine (a shared one): the 1-minute load average when the rounds began and ended.
+        "load_average_1m": [round(_LOAD_AT_START, 2), round(os.getloadavg()[0], 2)],
     }
 
 
@@ -247,6 +250,8 @@ def main() -> int:
     from kvfabric.sim.workload import demo_workload
 
     workload = demo_workload(seed=0)
+    global _LOAD_AT_START
+    _LOAD_AT_START = os.getloadavg()[0]
     tmp = tempfile.mkdtemp(prefix="kvf-bench-")
     sock = os.path.join(tmp, "c.sock")
     collector = CollectorProcess(CollectorConfig(db_path=os.path.join(tmp, "bench.duckdb"), socket_path=sock,
