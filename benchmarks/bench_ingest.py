@@ -12,11 +12,15 @@ Phases:
 
     python benchmarks/bench_ingest.py [--senders 2] [--batches 600] [--batch-rows 4096]
         [--rates 250000,500000,1000000] [--lag-seconds 10] [--out benchmarks/results/ingest.md]
+
+``--out X.md`` also writes ``X.json``: every phase's figures as the table shows them, with the command, machine,
+date, the rows stored and bytes per row on disk, and the 1-minute load average when the phases began and ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -242,6 +246,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ingest.md"))
     args = ap.parse_args()
 
+    load_start = os.getloadavg()[0]
     root = tempfile.mkdtemp(prefix="kvf-bench-", dir=os.environ.get("KVF_BENCH_DIR", "/tmp"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -318,6 +323,14 @@ def main() -> int:
     ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))
+    Path(args.out).with_suffix(".json").write_text(json.dumps({
+        "command": cmd.strip(), "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "load_average_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+        "senders": args.senders, "batch_rows": args.batch_rows, "rows_stored": expected,
+        "bytes_per_row_on_disk": round(db_bytes / expected, 2),
+        "phases": [{"phase": name} | {k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()}
+                   for name, r in results],
+    }, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out}")
     return 0
 
