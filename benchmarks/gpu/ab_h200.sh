@@ -24,6 +24,13 @@
 # close to LIMIT_S: a run cut short by LIMIT_S reports the arms that finished (their warm-ups split off by
 # --report-only below), and its report shows how many repetitions each arm got.
 # PRESTART=2 brings back the overlapped start-ups (faster, noisier; the report then says the arms were not isolated).
+#
+# Sittings. An A/B of 10 or more arms does not fit one command: `kvfabric ab --time-limit` starts no arm that would
+# end past TIME_LIMIT (default LIMIT_S - 60 s, leaving time for the report), and RESUME=<the run folder of an
+# earlier sitting> continues it (`kvfabric ab --resume`): the folder is copied to $OUT/ab/run, the arms not yet run
+# run in the planned ABAB order, and every sitting is recorded in its plan.json and environment.txt. Carry the folder
+# with the command (an untracked folder of the checkout travels), e.g.
+#     RESUME=benchmarks/results/gpu/serving/long_conversation_return OUT=$OUT bash benchmarks/gpu/ab_h200.sh
 set -euo pipefail
 
 OUT=${OUT:?set OUT to the folder whose files come back}
@@ -38,6 +45,8 @@ WARMUP=${WARMUP:-8}
 CAPACITIES=${CAPACITIES:-}        # e.g. 640,960,1280: a KV pool sweep (lru must be in POLICIES)
 TTFT_SLO_MS=${TTFT_SLO_MS:-}      # overrides the scenarios' ttft_slo_ms for goodput
 LIMIT_S=${LIMIT_S:-570}         # the device tool allows 600 s a command
+TIME_LIMIT=${TIME_LIMIT:-$(( LIMIT_S - 60 ))}   # no arm may end later (the report and the warm-up split follow)
+RESUME=${RESUME:-}              # the run folder of an earlier sitting: continue it
 
 export PYTHONPATH="$PWD${SITE:+:$SITE}"   # this checkout's kvfabric first, then vLLM 0.26 and the wheels
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -57,8 +66,9 @@ if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "
 fi
 "$PY" -c 'import importlib.util as u; print("matplotlib:", "yes" if u.find_spec("matplotlib") else "no (plots later: kvfabric ab --report-only)")'
 
-MODEL_DIR=$(mktemp -d /tmp/kvf-llama-3-8b.XXXXXX)
-trap 'rm -rf "$MODEL_DIR"' EXIT
+# A fixed path: the serve command (recorded in the plan) and vLLM's compile cache stay the same in every sitting.
+MODEL_DIR=/tmp/kvf-model/llama-3-8b
+mkdir -p "$MODEL_DIR"
 cp kvfabric/sim/models/llama-3-8b.json "$MODEL_DIR/config.json"
 
 if [ "$SERVE" = sim ]; then
@@ -80,21 +90,34 @@ else
 fi
 
 mkdir -p "$OUT/ab"
+if [ -n "$RESUME" ]; then
+  [ -f "$RESUME/plan.json" ] || { echo "ab_h200.sh: RESUME=$RESUME holds no plan.json" >&2; exit 2; }
+  cp -r "$RESUME" "$OUT/ab/run"
+  rm -rf "$OUT/ab/run/plots" "$OUT/ab/run/report.md" "$OUT/ab/run/ab.json"   # re-rendered at the end
+fi
+mkdir -p "$OUT/ab/run"
 {
+  echo "== sitting $(( $(grep -c '^== sitting' "$OUT/ab/run/environment.txt" 2>/dev/null || true) + 1 ))"
   echo "date: $(date -u +%FT%TZ)"; echo "host: $(hostname) $(nproc) cores"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c 'import sys; print("python", sys.version.split()[0])'
   "$PY" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))' || true
   echo "serve command: $CMD"
-} > "$OUT/ab/environment.txt"
+} >> "$OUT/ab/run/environment.txt"
+cp "$OUT/ab/run/environment.txt" "$OUT/ab/environment.txt"
 
 t0=$(date +%s)
 # Stop (SIGINT: servers and collector are shut down cleanly) before the device tool's 10-minute command limit, so
 # that what finished can still be reported below.
-timeout --signal=INT "$LIMIT_S" "$PY" -m kvfabric.cli ab --scenario "$SCENARIOS" --policies "$POLICIES" \
-  --repeat "$REPEAT" --serve-cmd "$CMD" --prestart "$PRESTART" --warmup "$WARMUP" --ready-timeout 480 \
-  ${CAPACITIES:+--capacities "$CAPACITIES"} ${TTFT_SLO_MS:+--ttft-slo-ms "$TTFT_SLO_MS"} --out "$OUT/ab/run" \
-  --format json --no-progress 2>&1 | tee "$OUT/ab/console.log"
+if [ -n "$RESUME" ]; then
+  ARGS=(--resume)
+else
+  ARGS=(--scenario "$SCENARIOS" --policies "$POLICIES" --repeat "$REPEAT" --prestart "$PRESTART" --warmup "$WARMUP"
+        ${CAPACITIES:+--capacities "$CAPACITIES"} ${TTFT_SLO_MS:+--ttft-slo-ms "$TTFT_SLO_MS"})
+fi
+# --time-limit stops between arms; timeout (SIGINT: servers and collector shut down cleanly) is the backstop.
+timeout --signal=INT "$LIMIT_S" "$PY" -m kvfabric.cli ab "${ARGS[@]}" --serve-cmd "$CMD" --ready-timeout 480 \
+  --time-limit "$TIME_LIMIT" --out "$OUT/ab/run" --format json --no-progress 2>&1 | tee -a "$OUT/ab/console.log"
 rc=${PIPESTATUS[0]}
 if [ "$rc" -ne 0 ] && [ -d "$OUT/ab/run" ]; then
   echo "ab_h200.sh: ab stopped with $rc; reporting the arms that finished" | tee -a "$OUT/ab/console.log"
@@ -102,5 +125,7 @@ if [ "$rc" -ne 0 ] && [ -d "$OUT/ab/run" ]; then
 fi
 tail -n 1 "$OUT/ab/console.log" > "$OUT/ab/ab.jsonl"
 echo "ab_h200.sh: exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/ab/console.log"
-rm -f "$OUT/ab/run/collector.duckdb"   # everything the reports need is in the runs/*.json files; keep $OUT small
+cat "$OUT/ab/console.log" >> "$OUT/ab/run/console.log"
+# Everything the reports need is in runs/*.json once the warm-ups are split off; keep $OUT small.
+rm -f "$OUT"/ab/run/collector*.duckdb "$OUT"/ab/run/collector*.duckdb.wal
 exit "$rc"

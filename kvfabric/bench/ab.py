@@ -35,6 +35,14 @@ results and collector analytics), ``logs/``, and the collector's ``collector.duc
 scenarios (``--scenario a,b``) run back to back against one collector, each in ``--out/<name>/``.
 ``--report-only`` re-renders the report of an existing ``--out`` without running anything (and first splits off
 the warm-ups of a run cut short, when its ``collector.duckdb`` is still there).
+
+**Sittings.** ``--time-limit S`` starts no arm that would not finish within S seconds of the command's start (the
+estimate: the longest arm so far in this sitting); the A/B then stops cleanly and reports the arms that ran.
+``--resume --out DIR`` continues it, possibly on another day or machine: the options come from ``plan.json`` (only
+``--serve-cmd`` may be given anew, e.g. another model path), the arms that already ran are skipped by run id, the
+order stays ABAB, and each sitting gets a collector file of its own (``collector.duckdb``, ``collector-2.duckdb``,
+...; every arm records its file, and warm-ups are split off per file). ``plan.json`` lists the sittings (when,
+where, which arms), and the report says how many there were.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import socket
 import sys
@@ -82,6 +91,10 @@ WARMUP_MAX_TOKENS = 4
 #: Seed of the warm-up's prompts (the same in every arm; token ids drawn apart from any scenario's).
 WARMUP_SEED = "kvfabric-ab-warmup"
 
+#: The options a resumed A/B takes from its plan.json (the rest are this command's: output, progress, timeouts).
+RESUMED_OPTIONS = ("scenario", "policies", "repeat", "serve_cmd", "seed", "kv_blocks", "capacities",
+                   "latency_scale", "warmup", "warmup_tokens", "ttft_slo_ms", "prestart")
+
 #: Collector handshake timeout for A/B and soak runs: a server may sit idle this long before its first request.
 IDLE_HANDSHAKE_S = 24 * 3600.0
 
@@ -94,6 +107,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "  kvfabric ab --scenario template_family_revisit --policies lru,adaptive_aging --repeat 3\n"
         "  kvfabric ab --scenario ordinary_unique_cold --out ab-cold --format json\n"
         "  kvfabric ab --scenario smoke --policies lru,adaptive_aging --capacities 300,450,600 --repeat 3\n"
+        "  kvfabric ab --scenario long_conversation_return --policies lru,shared_aware --time-limit 540 --out ab-lcr\n"
+        "  kvfabric ab --resume --out ab-lcr --time-limit 540     (the arms left, in a later sitting)\n"
         "  kvfabric ab --scenario template_family_revisit --serve-cmd \"vllm serve /models/llama --load-format dummy "
         "--skip-tokenizer-init --enable-prefix-caching --enable-prompt-tokens-details --num-gpu-blocks-override "
         "{kv_blocks} --port {port}\"\n"
@@ -142,6 +157,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "where it is scarce (a GPU), but the start-ups then compete with the measured arm, "
                              "and the report says the arms were not isolated (default: %(default)s, isolated "
                              "arms)")
+    parser.add_argument("--time-limit", type=positive_float, default=None, metavar="S",
+                        help="start no arm that would not finish within S seconds of this command's start "
+                             "(estimated from the longest arm so far); stop cleanly and report the arms that ran; "
+                             "--resume continues (default: no limit)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the A/B in --out DIR that stopped early: run the arms it has not run, with "
+                             "the options recorded in its plan.json (--serve-cmd may be given anew)")
     parser.add_argument("--report-only", action="store_true", help="re-render the report of an existing --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (they are drawn on stderr)")
 
@@ -345,45 +367,121 @@ def _plan_arms(scenarios: list[Scenario], policies: list[str], repeat: int, out:
     return arms
 
 
-def finalise(out: Path, db: Path) -> int:
-    """Split the warm-ups off the collector's file and recompute every run's analytics from it (the collector has
-    stopped). Idempotent: a run already finalised is left alone. Returns the number of runs finalised."""
+def arm_db(out: Path, plan: dict[str, Any], arm: dict[str, Any]) -> Path:
+    """The collector file that holds an arm's events: the arm's own record (each sitting has its file), else the
+    plan's (A/Bs from before sittings), else ``collector.duckdb`` in ``out`` or, for one scenario of several, its
+    parent (a run cut short before it recorded any)."""
+    rel = arm.get("collector_db") or plan.get("collector_db")
+    if rel:
+        return out / rel
+    for d in (out, out.parent):
+        if (d / "collector.duckdb").is_file():
+            return d / "collector.duckdb"
+    return out / "collector.duckdb"
+
+
+def finalise(out: Path, db: Path | None = None) -> int:
+    """Split the warm-ups off the collector's files and recompute every run's analytics from them (the collector
+    has stopped). ``db``: only the arms whose events are in that file (None: every arm, each from its own file).
+    Idempotent: a run already finalised, or whose file is gone, is left alone. Returns the number of runs
+    finalised."""
     plan_path = out / "plan.json"
     plan = json.loads(plan_path.read_text())
-    todo = [a for a in plan["arms"] if not (a.get("warmup") or {}).get("excluded_from_collector")]
-    if not todo or not db.is_file():
-        return 0
-    moved = split_warmup(str(db), {a["run_id"]: (a.get("warmup") or {}).get("cut_ns") for a in todo})
-    series = read_events(str(db), [a["run_id"] for a in todo])
-    for a in todo:
-        path = out / "runs" / f"{a['run_id']}.collector.json"
-        data = offline_run(str(db), a["run_id"])
-        data["events"] = series.get(a["run_id"], {})
-        path.write_text(json.dumps(data, default=str) + "\n")
-        warm = a.setdefault("warmup", {"requests": 0})
-        warm["collector_rows_moved"] = moved.get(a["run_id"], 0)
-        warm["excluded_from_collector"] = True
+    groups: dict[Path, list[dict[str, Any]]] = {}
+    for a in plan["arms"]:
+        if (a.get("warmup") or {}).get("excluded_from_collector"):
+            continue
+        f = arm_db(out, plan, a)
+        if (db is None or f.resolve() == db.resolve()) and f.is_file():
+            groups.setdefault(f, []).append(a)
+    for f, todo in groups.items():
+        moved = split_warmup(str(f), {a["run_id"]: (a.get("warmup") or {}).get("cut_ns") for a in todo})
+        series = read_events(str(f), [a["run_id"] for a in todo])
+        for a in todo:
+            path = out / "runs" / f"{a['run_id']}.collector.json"
+            data = offline_run(str(f), a["run_id"])
+            data["events"] = series.get(a["run_id"], {})
+            path.write_text(json.dumps(data, default=str) + "\n")
+            warm = a.setdefault("warmup", {"requests": 0})
+            warm["collector_rows_moved"] = moved.get(a["run_id"], 0)
+            warm["excluded_from_collector"] = True
     plan_path.write_text(json.dumps(plan, indent=1) + "\n")
-    return len(todo)
+    return sum(len(t) for t in groups.values())
+
+
+def _scenario_out(out: Path, scenarios: list[Scenario], sc: Scenario) -> Path:
+    return out if len(scenarios) == 1 else out / sc.name
+
+
+def _sitting_db(out: Path) -> Path:
+    """This sitting's collector file: ``collector.duckdb``, or for a resumed A/B the first free
+    ``collector-N.duckdb`` (each sitting's warm-ups are split off its own file)."""
+    db, n = out / "collector.duckdb", 1
+    while db.exists() or db.with_name(db.name + ".wal").exists():
+        n += 1
+        db = out / f"collector-{n}.duckdb"
+    return db
+
+
+def load_resume(args: argparse.Namespace) -> tuple[list[Scenario], list[str], list[int] | None,
+                                                  dict[str, dict[str, Any]]]:
+    """``--resume``: set ``args`` to the options recorded in ``--out``'s plan(s) (``--serve-cmd`` given now wins),
+    and return the scenarios, policies, capacities and the plans by scenario name. Refuses an A/B whose plan has no
+    recorded options, or whose scenario file has changed since it started (the arms would not be comparable)."""
+    if not args.out or not Path(args.out).is_dir():
+        raise ScenarioError("--resume needs --out DIR of a kvfabric ab run that stopped early")
+    out = Path(args.out)
+    paths = [out / "plan.json"] if (out / "plan.json").is_file() else sorted(out.glob("*/plan.json"))
+    if not paths:
+        raise ScenarioError(f"--resume: no plan.json in {out} (nor in its subdirectories)")
+    plans = [json.loads(p.read_text()) for p in paths]
+    options = plans[0].get("options")
+    if options is None:
+        raise ScenarioError(f"--resume: {paths[0]} records no options (an A/B from before --resume): run it anew")
+    serve_cmd = args.serve_cmd
+    for k in RESUMED_OPTIONS:
+        setattr(args, k, options.get(k))
+    if serve_cmd is not None:
+        args.serve_cmd = serve_cmd
+    scenarios, policies, capacities = _validate(args)
+    by_name = {str(p["scenario"]["name"]): p for p in plans}
+    for sc in scenarios:
+        plan = by_name.get(sc.name)
+        if plan is None:
+            raise ScenarioError(f"--resume: {out} holds no plan for scenario {sc.name}")
+        if json.loads(json.dumps(sc.as_dict())) != plan["scenario"]:
+            raise ScenarioError(f"--resume: scenario {sc.name} has changed since the A/B started: its arms would "
+                                "not be comparable; run it anew")
+    return scenarios, policies, capacities, by_name
 
 
 def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list[str], out: Path,
-             capacities: list[int] | None = None) -> list[Path]:
-    """Run every arm against one collector; write each scenario's ``plan.json`` and runs. Returns the scenario
-    output directories."""
+             capacities: list[int] | None = None, resume: dict[str, dict[str, Any]] | None = None
+             ) -> tuple[list[Path], int]:
+    """Run every arm (``resume``: every arm its plans have not run) against one collector; write each scenario's
+    ``plan.json`` and runs. Returns the scenario output directories and the number of arms left for a later
+    sitting (``--time-limit``)."""
     from kvfabric.collector import CollectorConfig, CollectorProcess  # (FastAPI, DuckDB: not for --help)
 
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    arms = _plan_arms(scenarios, policies, args.repeat, out, stamp, capacities)
-    sc_outs = list(dict.fromkeys(a.out for a in arms))
+    stamp = str(next(iter(resume.values()))["stamp"]) if resume else datetime.now().strftime("%Y%m%d-%H%M%S")
+    planned = _plan_arms(scenarios, policies, args.repeat, out, stamp, capacities)
+    done = {a["run_id"] for p in (resume or {}).values() for a in p["arms"]}
+    arms = [a for a in planned if a.run_id not in done]
+    sc_outs = [_scenario_out(out, scenarios, sc) for sc in scenarios]
+    if resume is None:
+        for d in sc_outs:
+            if (d / "plan.json").exists() or (d / "runs").exists():
+                raise ScenarioError(f"{d} already holds an A/B run: choose a new --out (or --report-only, "
+                                    "or --resume)")
+        if (out / "collector.duckdb").exists():
+            raise ScenarioError(f"{out} already holds a collector.duckdb: choose a new --out (or --report-only)")
     for d in sc_outs:
-        if (d / "plan.json").exists() or (d / "runs").exists():
-            raise ScenarioError(f"{d} already holds an A/B run: choose a new --out (or --report-only)")
         (d / "runs").mkdir(parents=True, exist_ok=True)
         (d / "logs").mkdir(parents=True, exist_ok=True)
-    db = out / "collector.duckdb"
-    if db.exists():
-        raise ScenarioError(f"{out} already holds a collector.duckdb: choose a new --out (or --report-only)")
+    if not arms:
+        _say(f"kvfabric ab: every planned arm has run already ({len(planned)}); re-rendering the report")
+        return sc_outs, 0
+    db = _sitting_db(out)
     sock_dir = tempfile.mkdtemp(prefix="kvf-ab-", dir="/tmp")  # sun_path is 108 bytes: keep the socket short
     sock = os.path.join(sock_dir, "c.sock")
     collector = CollectorProcess(
@@ -393,7 +491,15 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
         log_path=str(out / "collector.log"), ready_timeout=60.0,
     )
     plans: dict[str, dict[str, Any]] = {}
+    command = "kvfabric " + shlex.join(sys.argv[1:]) if sys.argv else ""
+    sitting = {"started_at": datetime.now().isoformat(timespec="seconds"), "machine": _machine(),
+               "command": command, "serve_cmd": args.serve_cmd, "collector_db": db.name, "arms": [],
+               "wall_s": 0.0, "stopped_early": False}
     for sc in scenarios:
+        if resume is not None:
+            plans[sc.name] = resume[sc.name]
+            plans[sc.name]["sittings"].append(json.loads(json.dumps(sitting)))
+            continue
         slo, slo_from = _slo_ms(args, sc)
         plans[sc.name] = {
             "scenario": sc.as_dict(), "policies": policies, "repeat": args.repeat, "seed": sc.seed,
@@ -408,9 +514,15 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
                        "excluded": "client: warm-up requests are not in the run's results; collector: events "
                                    "before the cut (and evictions of warm-up blocks) moved to <run>~warmup"},
             "ttft_slo_ms": slo, "ttft_slo_from": slo_from,
-            "machine": _machine(), "started_at": datetime.now().isoformat(timespec="seconds"),
-            "command": "kvfabric " + " ".join(sys.argv[1:]) if sys.argv else "", "arms": [],
+            "machine": _machine(), "started_at": sitting["started_at"], "command": command, "arms": [],
+            "stamp": stamp, "options": {k: getattr(args, k) for k in RESUMED_OPTIONS},
+            "sittings": [json.loads(json.dumps(sitting))],
         }
+
+    def record_sitting(plan: dict[str, Any], wall: float, stopped: bool) -> None:
+        cur = plan["sittings"][-1]
+        cur.update(wall_s=wall, stopped_early=stopped)
+        plan["wall_s"] = sum(x["wall_s"] for x in plan["sittings"])
 
     def launch(arm: _Arm) -> None:
         srv = arm.scenario.server
@@ -426,6 +538,7 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
         arm.server.launch()
 
     t_start = time.monotonic()
+    left = 0
     collector.start()
     http = collector.http_url or ""
     try:
@@ -466,7 +579,13 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
                 processes = server.stats()
             finally:
                 server.stop()
-            if n < len(arms) and arms[n].server is None:
+            arm_s = time.monotonic() - t_arm
+            longest = max([arm_s] + [x["arm_s"] for x in plans[sc.name]["arms"]
+                                     if x["run_id"] in plans[sc.name]["sittings"][-1]["arms"]])
+            if (n < len(arms) and args.time_limit is not None
+                    and time.monotonic() - t_start + longest > args.time_limit):
+                left = len(arms) - n  # the next arm would not finish in time: stop cleanly, --resume goes on
+            elif n < len(arms) and arms[n].server is None:
                 launch(arms[n])
             (arm.out / "runs" / f"{arm.run_id}.bench.json").write_text(json.dumps(bench) + "\n")
             (arm.out / "runs" / f"{arm.run_id}.collector.json").write_text(json.dumps(analytics) + "\n")
@@ -479,14 +598,20 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
                 "run_id": arm.run_id, "policy": arm.policy, "repetition": arm.repetition,
                 "kv_blocks": sc.server.kv_blocks, "capacity": arm.capacity,
                 "argv": [_portable(a) for a in arm.argv],
-                "ready_s": server.ready_s, "arm_s": time.monotonic() - t_arm, "events": events,
+                "ready_s": server.ready_s, "arm_s": arm_s, "events": events,
+                "collector_db": os.path.relpath(db, arm.out), "sitting": len(plans[sc.name]["sittings"]),
                 "warmup": warm, "servers_starting_during_run": len(ahead),
                 "processes": [{**p, "cmdline": _portable(str(p["cmdline"]))} for p in processes],
             })
+            plans[sc.name]["sittings"][-1]["arms"].append(arm.run_id)
             # Written after every arm: if the whole run is cut short (a time limit), --report-only still reports
             # the arms that finished (it splits the warm-ups off first while collector.duckdb is there).
-            plans[sc.name]["wall_s"] = time.monotonic() - t_start
+            record_sitting(plans[sc.name], time.monotonic() - t_start, False)
             (arm.out / "plan.json").write_text(json.dumps(plans[sc.name], indent=1) + "\n")
+            if left:
+                _say(f"      stopping: the next arm would end past --time-limit {args.time_limit:g} s; {left} "
+                     f"arm(s) left for a later sitting (kvfabric ab --resume --out {out})")
+                break
     finally:
         for a in arms:
             if a.server is not None and a.server.proc is not None and a.server.proc.poll() is None:
@@ -495,15 +620,17 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
         shutil.rmtree(sock_dir, ignore_errors=True)
     wall = time.monotonic() - t_start
     for sc, d in zip(scenarios, sc_outs, strict=True):
-        plans[sc.name]["wall_s"] = wall
-        plans[sc.name]["collector_db"] = os.path.relpath(db, d)
+        record_sitting(plans[sc.name], wall, bool(left))
+        plans[sc.name].pop("collector_db", None)  # every arm names its own file
         (d / "plan.json").write_text(json.dumps(plans[sc.name], indent=1) + "\n")
         finalise(d, db)
-    return sc_outs
+    return sc_outs, left
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.report_only and args.resume:
+            raise ScenarioError("--report-only and --resume exclude each other")
         if args.report_only:
             if not args.out or not Path(args.out).is_dir():
                 raise ScenarioError("--report-only needs --out DIR of a finished kvfabric ab run")
@@ -512,21 +639,31 @@ def run(args: argparse.Namespace) -> int:
             if not outs:
                 raise ScenarioError(f"--report-only: no plan.json in {out} (nor in its subdirectories)")
             for d in outs:
-                db = d / json.loads((d / "plan.json").read_text()).get("collector_db", "collector.duckdb")
-                if not db.is_file() and (out / "collector.duckdb").is_file():
-                    db = out / "collector.duckdb"  # a run cut short wrote no collector_db yet
-                if finalise(d, db):
+                if finalise(d):
                     _say(f"{d}: warm-ups split off the collector's runs")
         else:
-            scenarios, policies, capacities = _validate(args)
+            resume = None
+            if args.resume:
+                if args.scenario:
+                    raise ScenarioError("--resume takes the scenario and every option from the plan: drop "
+                                        "--scenario (only --serve-cmd may be given anew)")
+                scenarios, policies, capacities, resume = load_resume(args)
+            else:
+                scenarios, policies, capacities = _validate(args)
             names = "+".join(s.name for s in scenarios)
             out = Path(args.out or f"ab-{names}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-            _say(f"kvfabric ab: {', '.join(s.name for s in scenarios)}; policies {', '.join(policies)}; "
+            ran = sum(len(p["arms"]) for p in (resume or {}).values())
+            _say(f"kvfabric ab{' (resumed: ' + str(ran) + ' arm(s) ran before)' if resume else ''}: "
+                 f"{', '.join(s.name for s in scenarios)}; policies {', '.join(policies)}; "
                  + (f"capacities {', '.join(map(str, capacities))} blocks; " if capacities else "")
                  + f"{args.repeat} repetition(s), interleaved; warm-up {args.warmup} request(s) per server; "
                  + ("isolated arms" if not args.prestart else f"--prestart {args.prestart}: arms not isolated")
+                 + (f"; time limit {args.time_limit:g} s" if args.time_limit else "")
                  + f"; output in {out}/")
-            outs = run_arms(args, scenarios, policies, out, capacities)
+            outs, left = run_arms(args, scenarios, policies, out, capacities, resume)
+            if left:
+                _say(f"kvfabric ab: stopped by --time-limit with {left} arm(s) not run; the report covers the arms "
+                     f"that ran; continue with: kvfabric ab --resume --out {out}")
     except (ScenarioError, ServerSpecError) as exc:
         raise UsageError(str(exc)) from None
     except (RuntimeError, TimeoutError, OSError) as exc:

@@ -193,6 +193,26 @@ def _sweep(result: dict[str, Any], capacities: list[int]) -> dict[str, Any]:
             "lru_hit_rate": {str(c): h for c, h in lru.items()}, "kv_saved": saved}
 
 
+def _sittings_text(plan: dict[str, Any], policies: list[str]) -> list[str]:
+    """The report's lines on sittings (an A/B continued with ``--resume``) and on arms not run (stopped early)."""
+    lines: list[str] = []
+    sittings = plan.get("sittings") or []
+    if len(sittings) > 1:
+        each = "; ".join(f"{s['started_at']} on {s['machine']}, {len(s['arms'])} arm(s) in {s['wall_s'] / 60:.1f} min"
+                         + (f", `{s['serve_cmd']}`" if s.get("serve_cmd") and s["serve_cmd"] != plan.get("serve_cmd")
+                            else "")
+                         for s in sittings)
+        lines += [f"Ran in {len(sittings)} sittings (`kvfabric ab --resume`), the arms in the planned order: {each}.",
+                  ""]
+    caps = plan.get("capacities") or [None]
+    expected = len(policies) * len(caps) * int(plan["repeat"])
+    if len(plan["arms"]) < expected:
+        per = ", ".join(f"`{p}` {sum(a['policy'] == p for a in plan['arms'])}" for p in policies)
+        lines += [f"**Incomplete:** {len(plan['arms'])} of {expected} arms ran (runs per policy: {per}); the "
+                  "numbers below are over the runs that exist. `kvfabric ab --resume --out DIR` runs the rest.", ""]
+    return lines
+
+
 def build(out: Path, ttft_slo_ms: float | None = None) -> dict[str, Any]:
     """Everything the report shows, from the files of an ``ab`` output directory. ``ttft_slo_ms`` overrides the
     plan's TTFT SLO (goodput)."""
@@ -501,6 +521,7 @@ def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
     w.append(f"Setup: {arms_text}, a fresh server per run: {server}; one collector; seed {plan['seed']}; {order}. "
              f"Machine: {plan['machine']}. Total time {plan.get('wall_s', 0) / 60:.1f} min.")
     w.append("")
+    w.extend(_sittings_text(plan, policies))
     if ahead:
         w.append(f"**The arms were not isolated:** the next {ahead} arm(s)' servers started up (and, on a GPU, "
                  f"loaded and compiled) while each run was measured (`--prestart {ahead}`); their start-ups competed "

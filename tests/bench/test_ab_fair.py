@@ -113,6 +113,24 @@ def test_bad_sweep_and_slo_options_are_one_line_usage_errors(argv: list[str], sa
     assert says in err and len(err.strip().splitlines()) == 1
 
 
+def test_bad_resume_options_are_one_line_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = [
+        (["--resume"], "--resume needs --out DIR"),
+        (["--resume", "--out", str(tmp_path / "empty")], "--resume: no plan.json in"),
+        (["--resume", "--out", str(tmp_path), "--scenario", "smoke"], "drop --scenario"),
+        (["--resume", "--report-only", "--out", str(tmp_path)], "exclude each other"),
+        (["--scenario", "smoke", "--time-limit", "0"], "--time-limit"),
+    ]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "plan.json").write_text(json.dumps({"scenario": {"name": "smoke"}, "arms": []}))
+    cases.append((["--resume", "--out", str(tmp_path / "old")], "records no options (an A/B from before --resume)"))
+    for argv, says in cases:
+        assert cli_main(["ab", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
 def test_help_states_the_fair_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["ab", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
@@ -236,3 +254,57 @@ def test_capacity_sweep_against_sim_serve_with_warmup_excluded(tmp_path: Path, c
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["ttft_slo_ms"] == 0.001 and again["policies"]["lru"]["goodput_per_s"]["median"] == 0.0
     assert again["sweep"]["kv_saved"] == line["sweep"]["kv_saved"]
+
+
+@pytest.mark.vllm
+def test_time_limit_stops_cleanly_and_resume_runs_the_rest_in_order(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An A/B of 2 policies x 2 repetitions in three sittings: --time-limit 1 stops after the first arm (every sitting
+    runs at least one), --resume runs one more under the same limit, then the rest; the arms keep the planned ABAB
+    order and run ids, each sitting has its own collector file with its warm-ups split off, and the report says so.
+    A resume of a finished A/B runs nothing; a scenario changed in between is refused."""
+    for k in [k for k in os.environ if k.startswith("KVFABRIC_")]:
+        monkeypatch.delenv(k)
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(SCENARIO)
+    out = tmp_path / "ab"
+    assert cli_main(["ab", "--scenario", str(scenario), "--policies", "lru,adaptive_aging", "--repeat", "2",
+                     "--warmup", "2", "--time-limit", "1", "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "stopped by --time-limit with 3 arm(s) not run" in text and f"--resume --out {out}" in text
+    report = (out / "report.md").read_text()
+    assert "**Incomplete:** 1 of 4 arms ran (runs per policy: `lru` 1, `adaptive_aging` 0)" in report
+
+    assert cli_main(["ab", "--resume", "--out", str(out), "--time-limit", "1", "--no-progress"]) == 0
+    assert "(resumed: 1 arm(s) ran before)" in capsys.readouterr().out
+    assert cli_main(["ab", "--resume", "--out", str(out), "--no-progress", "--format", "json"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(line["policies"]) == {"lru", "adaptive_aging"}
+
+    plan = json.loads((out / "plan.json").read_text())
+    stamp = plan["stamp"]
+    assert [a["run_id"] for a in plan["arms"]] == [f"tiny_sweep-{p}-r{r}-{stamp}" for r in (1, 2)
+                                                   for p in ("lru", "adaptive_aging")]
+    assert [len(s["arms"]) for s in plan["sittings"]] == [1, 1, 2]
+    assert [s["stopped_early"] for s in plan["sittings"]] == [True, True, False]
+    assert [a["collector_db"] for a in plan["arms"]] == ["collector.duckdb", "collector-2.duckdb",
+                                                         "collector-3.duckdb", "collector-3.duckdb"]
+    assert plan["wall_s"] == pytest.approx(sum(s["wall_s"] for s in plan["sittings"]))
+    for arm in plan["arms"]:
+        assert (out / arm["collector_db"]).is_file()
+        assert arm["warmup"]["excluded_from_collector"] and arm["warmup"]["collector_rows_moved"] > 0
+        bench = json.loads((out / "runs" / f"{arm['run_id']}.bench.json").read_text())
+        coll = json.loads((out / "runs" / f"{arm['run_id']}.collector.json").read_text())
+        assert coll["summary"]["requests"] == bench["summary"]["requests"] > 0
+    report = (out / "report.md").read_text()
+    assert "Ran in 3 sittings (`kvfabric ab --resume`)" in report and "**Incomplete:**" not in report
+
+    # Finished: nothing runs again, the arms stay as they are.
+    assert cli_main(["ab", "--resume", "--out", str(out), "--no-progress"]) == 0
+    assert "every planned arm has run already (4)" in capsys.readouterr().out
+    assert json.loads((out / "plan.json").read_text())["arms"] == plan["arms"]
+
+    # The scenario file changed since the A/B started: its arms would not compare; refused in one line.
+    scenario.write_text(SCENARIO.replace("seed = 7", "seed = 8"))
+    assert cli_main(["ab", "--resume", "--out", str(out)]) == 2
+    assert "scenario tiny_sweep has changed since the A/B started" in capsys.readouterr().err
