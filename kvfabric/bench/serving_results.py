@@ -2,8 +2,8 @@
 
 Inputs (each folder is one ``kvfabric ab --out`` directory, as the command wrote it; only its ``ab.json`` is read):
 
-* ``benchmarks/results/gpu/serving/<name>/``: runs on the H200 (``benchmarks/gpu/ab_h200.sh``), with the
-  machine's ``environment.txt`` beside them in ``benchmarks/results/gpu/serving/``;
+* ``benchmarks/results/gpu/serving/<name>/``: runs on a GPU (``benchmarks/gpu/ab_h200.sh``), each folder with the
+  ``environment.txt`` of its sittings (the card is read from it);
 * ``benchmarks/results/serving/cpu_ab/<name>/``: the same A/B on CPU, ``kvfabric sim-serve`` with the H200 latency
   model (``kvfabric/sim/latency.py``);
 * ``benchmarks/results/serving/cpu_sweep/<name>/``: ``kvfabric ab --capacities`` on CPU (KV saved at equal hit
@@ -71,6 +71,24 @@ class Result:
     @property
     def policies(self) -> list[str]:
         return list(self.data["policies"])
+
+    @property
+    def cards(self) -> list[str]:
+        """The GPU(s) its sittings ran on, from the folder's ``environment.txt`` (nvidia-smi's name column)."""
+        env = self.root / self.path / "environment.txt"
+        if not env.is_file():
+            return []
+        names = [line.split(",")[0].strip() for line in env.read_text().splitlines() if line.startswith("NVIDIA")]
+        return list(dict.fromkeys(names))
+
+    @property
+    def planned_arms(self) -> int:
+        plan = self.data["plan"]
+        return len(self.policies) * len(plan.get("capacities") or [None]) * int(plan["repeat"])
+
+    @property
+    def complete(self) -> bool:
+        return len(self.data["runs"]) >= self.planned_arms
 
     def median(self, policy: str, key: str) -> float | None:
         entry = self.data["by_policy"].get(policy, {}).get(key)
@@ -142,6 +160,16 @@ def _ab_section(r: Result, title: str) -> list[str]:
                f"KV pool {plan['arms'][0].get('kv_blocks') or plan['scenario']['server']['kv_blocks']:,} blocks"
                + (f", TTFT SLO {slo:g} ms" if slo else "") + f". Source: [`{r.path}/`](../{r.path}/report.md).")
     out.append("")
+    if not r.complete:
+        out += [f"**Incomplete:** {len(d['runs'])} of {r.planned_arms} planned arms ran ({plan['repeat']} "
+                "repetitions per policy were planned); the medians and ranges are over the runs that exist.", ""]
+    sittings = plan.get("sittings") or []
+    if len(sittings) > 1:
+        out += [f"Ran in {len(sittings)} sittings (`kvfabric ab --resume`).", ""]
+    if any(run.get("warmup_in_collector") for run in d["runs"]):
+        out += ["The collector's numbers (hit rate, rebuilt, wasted prefill) include the warm-up of 8 requests "
+                "shorter than one block (its collector file was gone before the warm-up could be split off); the "
+                "client's numbers (TTFT, E2E, requests/s) exclude it.", ""]
     header = ["metric", *[f"`{p}`" for p in r.policies], *[f"`{p}` vs `{base}`" for p in others]]
     rows = []
     for key in PAGE_METRICS:
@@ -225,17 +253,21 @@ def targets(gpu: list[Result], sweeps: list[Result]) -> list[list[str]]:
         if best is None:
             continue
         v = r.data["verdicts"][best]
+        reps = min(sum(run["policy"] == p for run in r.data["runs"]) for p in r.policies)
+        where = f"{' + '.join(r.cards) or 'GPU'}, {reps} repetition{'s' if reps != 1 else ''}"
+        # A verdict from fewer repetitions than planned says so: the targets ask for the full A/B.
+        tag = "" if r.complete else f" (incomplete: {reps} of {r.data['plan']['repeat']} repetitions)"
         if r.scenario in LONG_CONTEXT:
             for key in ("ttft_p50_s", "ttft_p90_s"):
                 rel, call = _rel(v.get(key)), (v.get(key) or {}).get("call")
                 met = call == "better" and rel is not None and rel <= -0.20
-                rows.append([f"{_LABELS[key]} >= 20 % below LRU", f"`{r.scenario}` (`{best}`)",
-                             _call(v.get(key)), "met" if met else "not met"])
+                rows.append([f"{_LABELS[key]} >= 20 % below LRU", f"`{r.scenario}` (`{best}`; {where})",
+                             _call(v.get(key)), ("met" if met else "not met") + tag])
             thr = [(k, _rel(v.get(k)), (v.get(k) or {}).get("call")) for k in ("requests_per_s", "goodput_per_s")]
             met = any(c == "better" and x is not None and x >= 0.10 for _, x, c in thr)
-            rows.append(["requests/s or goodput >= 10 % above LRU", f"`{r.scenario}` (`{best}`)",
+            rows.append(["requests/s or goodput >= 10 % above LRU", f"`{r.scenario}` (`{best}`; {where})",
                          "; ".join(f"{k.removesuffix('_per_s')}: {_call(v.get(k))}" for k, _, _ in thr),
-                         "met" if met else "not met"])
+                         ("met" if met else "not met") + tag])
             peers = [p for p in r.policies if p in PEERS]
             if peers and best not in PEERS:
                 p50 = {p: r.median(p, "ttft_p50_s") for p in [best, *peers]}
@@ -245,9 +277,10 @@ def targets(gpu: list[Result], sweeps: list[Result]) -> list[list[str]]:
                              "ahead" if ahead else "not ahead"])
         elif r.scenario == "ordinary_unique_cold":
             worst = max((abs(_rel(v.get(k)) or 0.0), k) for k in PAGE_METRICS if k.endswith("_s") or "per_s" in k)
-            rows.append(["within 1 % of LRU on every latency and throughput metric", f"`{r.scenario}` (`{best}`)",
+            rows.append(["within 1 % of LRU on every latency and throughput metric",
+                         f"`{r.scenario}` (`{best}`; {where})",
                          f"largest change {worst[0] * 100:.1f} % ({_LABELS.get(worst[1], worst[1])})",
-                         "met" if worst[0] <= 0.01 else "not met"])
+                         ("met" if worst[0] <= 0.01 else "not met") + tag])
     for r in sweeps:
         for k in r.data["sweep"]["kv_saved"]:
             if k["policy"] == "lru" or k.get("saved") is None:
@@ -278,13 +311,10 @@ def render(root: Path = ROOT) -> str:
         w.append("No run yet speaks to the targets (they need H200 runs or a capacity sweep).")
     w.append("")
     if gpu:
-        env = root / GPU / "environment.txt"
-        w += ["## On the H200", ""]
-        if env.is_file():
-            w += ["Machine and software (`environment.txt`):", "", "```", *env.read_text().strip().splitlines(),
-                  "```", ""]
+        w += ["## On the GPU: vLLM 0.26.0, Llama-3-8B shape (dummy weights), compiled", "",
+              "Each folder's `environment.txt` holds its machine, software and serve command, per sitting.", ""]
         for r in gpu:
-            w += _ab_section(r, "H200")
+            w += _ab_section(r, " + ".join(r.cards) or "GPU")
     if cpu_ab:
         w += ["## On CPU, with the H200 latency model", "",
               "`kvfabric sim-serve`: vLLM's real server, scheduler and KV cache manager on CPU, each step's forward "

@@ -61,3 +61,21 @@ def test_no_results_at_all_is_an_error(tmp_path: Path) -> None:
 def test_tables_refuse_to_be_empty() -> None:
     with pytest.raises(sr.ResultsError, match="no rows"):
         sr._table(["a", "b"], [])
+
+
+def test_gpu_results_name_their_card_and_an_incomplete_ab_says_so(tmp_path: Path) -> None:
+    """The card comes from each folder's environment.txt; a verdict from fewer repetitions than planned is marked,
+    and the mark goes once the plan's repetitions all ran."""
+    root = _copy_results(tmp_path)
+    page = sr.render(root)
+    assert "### NVIDIA H100 80GB HBM3: `long_conversation_return`" in page
+    assert "**Incomplete:** 4 of 10 planned arms ran" in page and "(incomplete: 2 of 5 repetitions)" in page
+    for folder in (root / sr.GPU).iterdir():
+        if (folder / "ab.json").is_file():
+            data = json.loads((folder / "ab.json").read_text())
+            data["plan"]["repeat"] = 2  # as if 2 repetitions had been planned: the A/B is complete
+            (folder / "ab.json").write_text(json.dumps(data))
+            (folder / "environment.txt").write_text("NVIDIA H200, 143771 MiB, 580.159.04\n")
+    page = sr.render(root)
+    assert "Incomplete" not in page and "incomplete" not in page
+    assert "### NVIDIA H200: `long_conversation_return`" in page and "NVIDIA H200, 2 repetitions" in page
