@@ -436,7 +436,9 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{label:<{width}}  " + "  ".join(f"{c:>28}" for c in cells))
     for p, vs in result["verdicts"].items():
         called = [f"{label}: {vs[key]['call']}" for key, label, _, _ in HEADLINE if vs[key]["call"] not in NO_CALL]
-        if any(v["call"] == "no spread (1 repetition)" for v in vs.values()):
+        if all(v["call"] == "n/a" for v in vs.values()):
+            verdict_text = "no runs yet: nothing to compare"
+        elif any(v["call"] == "no spread (1 repetition)" for v in vs.values()):
             verdict_text = "one repetition: no spread to judge a difference against (use --repeat 3)"
         else:
             verdict_text = "; ".join(called) if called else "no difference beyond noise"
