@@ -232,6 +232,43 @@ def _screen_section(results: list[Result]) -> list[str]:
     return [*_table(["scenario", *[f"`{p}`" for p in policies]], rows), ""]
 
 
+def _change(r: Result, policy: str, key: str) -> str:
+    base, other = r.median("lru", key), r.median(policy, key)
+    if base is None or other is None or base == 0:
+        return "n/a"
+    return f"{(other / base - 1) * 100:+.0f} %"
+
+
+def _agreement_section(gpu: list[Result], cpu: list[Result]) -> list[str]:
+    """GPU against the CPU latency model, scenario by scenario and policy by policy where both ran: LRU's medians
+    and each policy's change against LRU, side by side (the shape the CPU model must reproduce)."""
+    out: list[str] = []
+    for c in cpu:
+        same = [g for g in gpu if g.scenario == c.scenario and "lru" in g.policies and "lru" in c.policies]
+        if not same:
+            continue
+        g = max(same, key=lambda r: (r.complete, len(r.data["runs"])))
+        both = [p for p in g.policies if p != "lru" and p in c.policies]
+        if not both:
+            continue
+        card = " + ".join(g.cards) or "GPU"
+        out += [f"### `{c.scenario}`: {card} ([`{g.path}/`](../{g.path}/report.md)) against CPU "
+                f"([`{c.path}/`](../{c.path}/report.md))", ""]
+        rows = []
+        for key in ("prefix_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "requests_per_s"):
+            unit = _UNITS.get(key, "")
+            row = [_LABELS.get(key, key), fmt(g.median("lru", key), unit), fmt(c.median("lru", key), unit)]
+            for p in both:
+                row += [_change(g, p, key), _change(c, p, key)]
+            rows.append(row)
+        header = ["metric", f"`lru` on {card}", "`lru` on CPU"]
+        for p in both:
+            header += [f"`{p}` vs `lru` on {card}", f"`{p}` vs `lru` on CPU"]
+        out += _table(header, rows)
+        out.append("")
+    return out
+
+
 # -- targets ------------------------------------------------------------------------------------------------------
 def _best(r: Result) -> str | None:
     """The non-LRU policy with the lowest median TTFT p50 (the run's candidate for "best configuration")."""
@@ -321,6 +358,14 @@ def render(root: Path = ROOT) -> str:
               "pass timed by the model fitted to H200 measurements (`kvfabric/sim/latency.py`).", ""]
         for r in cpu_ab:
             w += _ab_section(r, "CPU")
+    agreement = _agreement_section(gpu, cpu_ab)
+    if agreement:
+        w += ["## GPU against the CPU model", "",
+              "The same scenario and policies on a GPU and on CPU with the latency model: LRU's medians, and each "
+              "policy's change of the median against LRU's (the ranges and the verdicts are in the sections "
+              "above). The CPU model was fitted to H200 measurements; where the GPU's card is another, absolute "
+              "times differ by the cards' speed as well as by the model's error.", ""]
+        w += agreement
     if sweeps:
         w += ["## KV saved at equal hit rate (CPU, latency model)", "",
               "For each policy and pool: the pool LRU needs for the same prefix hit rate (LRU's median hit rate "
