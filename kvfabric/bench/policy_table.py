@@ -16,11 +16,12 @@ One command (``python -m kvfabric.bench.policy_table``) runs:
 7. ``learnedreal``: the across-traces models through vLLM's real scheduler at ``--real-full-fractions``.
 
 Raw results go to ``benchmarks/results/policy_sweep.json`` (``--reuse`` re-renders from it without rerunning;
-``--sections`` reruns only some parts). Rows name traces by their path relative to the repository root and are
-matched by file name; rendering fails (exit 1, nothing written) when a table would lack rows or a plot data.
-Runtime on 2 cores: about 20 minutes for the sweep, 2 for the
-agreement runs, 20 for the whole traces through the real scheduler (3 minutes and 6 GB each), about 30 for the
-learned policy's models and held-out replays, 10 for those through the real scheduler.
+``--sections`` reruns only some parts; ``--reuse --relative-paths`` rewrites an older file's absolute row paths).
+Rows name traces by their path relative to the repository root and are matched by file name; rendering fails
+(exit 1, nothing written) when a table would lack rows or a plot data. Runtime on 2 cores: about 35 minutes for
+the sweep (with the peers; longer on a busy machine), 2 for the agreement runs, 20 for the whole traces through
+the real scheduler (3 minutes and 6 GB each), about 30 for the learned policy's models and held-out replays, 10
+for those through the real scheduler.
 """
 
 from __future__ import annotations
@@ -225,7 +226,25 @@ def run_all(traces: Sequence[str], fractions: Sequence[float], block_size: int, 
         "command": "python -m kvfabric.bench.policy_table " + " ".join(sys.argv[1:]),
     })
     out["meta"] = meta
-    return out
+    return relative_traces(out)
+
+
+def relative_traces(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with every row's ``trace`` (and a path-valued ``trained_on``) spelled as the metadata spells the
+    trace of the same file name: relative to the repository root. Sections carried over from an older results
+    file (written with absolute paths from another checkout) are rewritten here, so a results file this module
+    writes holds one spelling per trace. Rows of a trace the metadata does not hold are left as they are (the
+    renderer then refuses them)."""
+    spelled = {trace_key(tr): tr for tr in (data.get("meta") or {}).get("traces") or {}}
+    for section, rows in data.items():
+        if section == "meta" or not isinstance(rows, list):
+            continue
+        for r in rows:
+            for field in ("trace", "trained_on"):
+                v = r.get(field)
+                if isinstance(v, str) and v.endswith(".jsonl") and trace_key(v) in spelled:
+                    r[field] = spelled[trace_key(v)]
+    return data
 
 
 # --------------------------------------------------------------------------------------------- rendering
@@ -246,6 +265,10 @@ def _check(data: dict[str, Any]) -> None:
     for section in ("sweep", "agree_real", "agree_fast", "robust"):
         if not data.get(section):
             raise MissingRows(f"section {section!r} has no rows: its table would be empty")
+    for tr in traces:
+        if os.path.isabs(tr):
+            raise MissingRows(f"meta.traces names {tr!r} by an absolute path: results record paths relative to the "
+                              "repository root (rerun the sweep)")
 
 
 def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
@@ -253,7 +276,19 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
 
     Raises :class:`~kvfabric.bench.table_rows.MissingRows` (before writing anything) when a table would lack a
     row it should have or a plot would have no data."""
+    text = page_text(data)
+    series = plot_series(data)
+    _plots(data, series, plots_dir)
+    out_md.write_text(splice(out_md.read_text() if out_md.exists() else None, text))
+    return text
+
+
+def page_text(data: dict[str, Any]) -> str:
+    """The generated part of ``docs/policy-results.md`` from a results file's ``data``, written nowhere (a pure
+    function of ``data``). Raises :class:`~kvfabric.bench.table_rows.MissingRows` when a table would lack a row
+    it should have, or a plot the page shows would have no data (:func:`plot_series`)."""
     _check(data)
+    plot_series(data)
     meta = data["meta"]
     sweep = data["sweep"]
     shown = _shown(sweep)  # (shown, less the peers an older results file lacks)
@@ -352,7 +387,7 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
     w("")
     w("![share of the LRU-to-optimum gap closed](policy-gap-closed.png)")
     w("")
-    learned_points = learned_table.render(data, w)
+    learned_table.render(data, w)
     if data.get("full_real"):
         w("### Whole traces through vLLM's real scheduler")
         w("")
@@ -407,23 +442,18 @@ def render(data: dict[str, Any], out_md: Path, plots_dir: Path) -> str:
             w(f"| {trace_name(tr)} | {f:.0%} | {lru:.2f} | {ours:.2f}{mark} | {opt:.2f} | "
               f"{'-' if c is None else f'{c:.0%}'} |")
     w("")
-    text = "\n".join(lines) + "\n"
-    _plots(data, plots_dir)
-    if learned_points:
-        learned_table.plot(learned_points, plots_dir)
-    out_md.write_text(_splice(out_md, text))
-    return text
+    return "\n".join(lines) + "\n"
 
 
 _MARK_BEGIN = "<!-- generated:begin -->"
 _MARK_END = "<!-- generated:end -->"
 
 
-def _splice(path: Path, generated: str) -> str:
-    """Keep hand-written prose after the generated part (between markers) when the file already has it."""
-    if not path.exists():
+def splice(old: str | None, generated: str) -> str:
+    """The page with ``generated`` between its markers, the hand-written prose around them kept (a page without
+    markers, or none, becomes the generated part alone)."""
+    if old is None:
         return f"{_MARK_BEGIN}\n{generated}{_MARK_END}\n"
-    old = path.read_text()
     if _MARK_BEGIN in old and _MARK_END in old:
         head, rest = old.split(_MARK_BEGIN, 1)
         _, tail = rest.split(_MARK_END, 1)
@@ -431,7 +461,60 @@ def _splice(path: Path, generated: str) -> str:
     return f"{_MARK_BEGIN}\n{generated}{_MARK_END}\n"
 
 
-def _plots(data: dict[str, Any], plots_dir: Path) -> None:
+STYLES = {"lru": ("k", "o"), "family_protect": ("tab:orange", "s"), "shared_aware": ("tab:purple", "^"),
+          "adaptive_aging": ("tab:green", "D"), "lfu": ("tab:brown", "x"), "slru": ("tab:pink", "+"),
+          "fifo": ("tab:gray", "1"), "tlru": ("tab:olive", "*"), "optimal": ("tab:red", "")}
+
+
+def plot_series(data: dict[str, Any]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """What each plot draws, by file name: ``{png: {series label: [(x, y), ...]}}``; ``policy-learned-gap.png``
+    is drawn from :func:`kvfabric.bench.learned_table.held_out_points` and appears only when the results hold the
+    learned section. Raises :class:`MissingRows` when a plot would have no series or a series no point: an empty
+    plot is never drawn."""
+    meta = data["meta"]
+    sweep = data["sweep"]
+    shown = _shown(sweep)
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for tr in meta["traces"]:
+        name = trace_name(tr)
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for p in shown:
+            lines[p] = [(f * 100, need(sweep, f"sweep (plot of {name})", trace=tr, fraction=f, policy=p,
+                                       anchor=0)["prefix_hit_rate"] * 100) for f in meta["fractions"]]
+        held = sorted((r for r in data.get("learned_eval", []) if r.get("split") == "trace"
+                       and r.get("policy") == "learned" and trace_key(r["trace"]) == trace_key(tr)),
+                      key=lambda r: r["fraction"])
+        if held:
+            lines[f"learned (model of {trace_name(held[0]['trained_on'])})"] = [
+                (r["fraction"] * 100, r["prefix_hit_rate"] * 100) for r in held]
+        out[f"policy-hit-rate-{name}.png"] = lines
+    gap: dict[str, list[tuple[float, float]]] = {}
+    for tr in meta["traces"]:
+        for p in (q for q in shown if q not in ("lru", "optimal")):
+            pts = []
+            for f in meta["fractions"]:
+                rs = {q: need(sweep, "sweep (gap-closed plot)", trace=tr, fraction=f, policy=q, anchor=0)
+                      for q in ("lru", p, "optimal")}
+                c = gap_closed(rs[p]["prefix_hit_rate"], rs["lru"]["prefix_hit_rate"], rs["optimal"]["prefix_hit_rate"])
+                pts.append((f, 0.0 if c is None else max(-1.0, c) * 100))
+            gap[f"{trace_name(tr)}/{p}"] = pts
+    out["policy-gap-closed.png"] = gap
+    points = learned_table.held_out_points(data)
+    if data.get("learned_eval") or data.get("learned_models"):
+        out["policy-learned-gap.png"] = {
+            "learned": [(p["fraction"], max(-1.0, p["closed_learned"] or 0.0) * 100) for p in points],
+            "adaptive_aging": [(p["fraction"], max(-1.0, p["closed_aa"] or 0.0) * 100) for p in points]}
+    for png, series in out.items():
+        if not series:
+            raise MissingRows(f"{png}: no series to plot")
+        for label, pts in series.items():
+            if not pts:
+                raise MissingRows(f"{png}: series {label!r} has no point")
+    return out
+
+
+def _plots(data: dict[str, Any], series: dict[str, dict[str, list[tuple[float, float]]]], plots_dir: Path) -> None:
+    """Draw :func:`plot_series`'s series into ``plots_dir``."""
     import matplotlib  # matplotlib: only for plots (the Agg backend is set before pyplot loads)
 
     matplotlib.use("Agg")
@@ -440,26 +523,14 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
     import matplotlib.ticker
 
     meta = data["meta"]
-    sweep = data["sweep"]
-    shown = _shown(sweep)
-    styles = {"lru": ("k", "o"), "family_protect": ("tab:orange", "s"), "shared_aware": ("tab:purple", "^"),
-              "adaptive_aging": ("tab:green", "D"), "lfu": ("tab:brown", "x"), "slru": ("tab:pink", "+"),
-              "fifo": ("tab:gray", "1"), "tlru": ("tab:olive", "*"), "optimal": ("tab:red", "")}
+    shown = _shown(data["sweep"])
     for tr in meta["traces"]:
         name = trace_name(tr)
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        for p in shown:
-            xs = [f * 100 for f in meta["fractions"]]
-            ys = [need(sweep, f"sweep (plot of {name})", trace=tr, fraction=f, policy=p, anchor=0)["prefix_hit_rate"]
-                  * 100 for f in meta["fractions"]]
-            color, marker = styles[p]
-            ax.plot(xs, ys, marker=marker or None, color=color, linestyle="--" if p == "optimal" else "-", label=p)
-        held = sorted((r for r in data.get("learned_eval", []) if r.get("split") == "trace"
-                       and r.get("policy") == "learned" and trace_key(r["trace"]) == trace_key(tr)),
-                      key=lambda r: r["fraction"])
-        if held:
-            ax.plot([r["fraction"] * 100 for r in held], [r["prefix_hit_rate"] * 100 for r in held], marker="v",
-                    color="tab:blue", label=f"learned (model of {trace_name(held[0]['trained_on'])})")
+        for label, pts in series[f"policy-hit-rate-{name}.png"].items():
+            color, marker = STYLES.get(label, ("tab:blue", "v"))
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker or None, color=color,
+                    linestyle="--" if label == "optimal" else "-", label=label)
         ax.set_xscale("log")
         ax.set_xticks([f * 100 for f in meta["fractions"]])
         ax.set_xticklabels([f"{f:.0%}" for f in meta["fractions"]])
@@ -475,18 +546,14 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
     # Share of the LRU-to-optimum gap each policy closes (negative: below LRU), per trace and capacity.
     policies = [p for p in shown if p not in ("lru", "optimal")]
     traces = list(meta["traces"])
+    gap = series["policy-gap-closed.png"]
     fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 3.8), squeeze=False)
     for ax, tr in zip(axes[0], traces, strict=True):
         fr = meta["fractions"]
         width = 0.8 / len(policies)
         for i, p in enumerate(policies):
-            vals = []
-            for f in fr:
-                rs = {q: need(sweep, "sweep (gap-closed plot)", trace=tr, fraction=f, policy=q, anchor=0)
-                      for q in ("lru", p, "optimal")}
-                c = gap_closed(rs[p]["prefix_hit_rate"], rs["lru"]["prefix_hit_rate"], rs["optimal"]["prefix_hit_rate"])
-                vals.append(0.0 if c is None else max(-1.0, c) * 100)
-            ax.bar([j + i * width for j in range(len(fr))], vals, width, color=styles[p][0], label=p)
+            vals = [y for _, y in gap[f"{trace_name(tr)}/{p}"]]
+            ax.bar([j + i * width for j in range(len(fr))], vals, width, color=STYLES[p][0], label=p)
         ax.axhline(0, color="k", linewidth=0.8)
         ax.axhline(40, color="tab:red", linewidth=0.8, linestyle=":", label="target (40%)")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(fr))])
@@ -500,6 +567,8 @@ def _plots(data: dict[str, Any], plots_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(plots_dir / "policy-gap-closed.png", dpi=110)
     plt.close(fig)
+    if "policy-learned-gap.png" in series:
+        learned_table.plot(learned_table.held_out_points(data), plots_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -518,6 +587,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"what to run (default all: {','.join(SECTIONS)}); the rest comes from --data")
     parser.add_argument("--reuse", action="store_true", help="re-render from --data without running anything")
+    parser.add_argument("--relative-paths", action="store_true",
+                        help="with --reuse: first rewrite --data's row trace paths as its metadata spells them "
+                             "(relative to the repository root; nothing is rerun, no number changes)")
     args = parser.parse_args(argv)
     data_path = Path(args.data)
     previous = json.loads(data_path.read_text()) if data_path.exists() else None
@@ -525,6 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if previous is None:
             parser.error(f"--reuse: {data_path} does not exist")
         data = previous
+        if args.relative_paths:
+            data = relative_traces(data)
+            data_path.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
     else:
         fractions = [float(f) for f in args.fractions.split(",")]
         full = [float(f) for f in args.real_full_fractions.split(",") if f.strip()]
