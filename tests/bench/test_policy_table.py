@@ -94,15 +94,19 @@ def test_committed_page_is_what_the_results_render(tmp_path: Path) -> None:
 
 def test_rows_match_by_trace_file_whatever_path_wrote_them(tmp_path: Path) -> None:
     data = _committed()
-    # The committed file holds both spellings (the bug's trigger): keep it that way as a regression case.
-    spellings = {r["trace"] for r in data["sweep"]} | set(data["meta"]["traces"])
-    assert any(os.path.isabs(s) for s in spellings) and any(not os.path.isabs(s) for s in spellings)
+    # The committed file records one spelling, relative to the repository root, in rows and metadata alike.
+    spellings = {r["trace"] for section in ("sweep", "robust", "agree_fast", "agree_real", "full_real",
+                                            "learned_eval") for r in data[section]} | set(data["meta"]["traces"])
+    assert spellings == set(data["meta"]["traces"]) and not any(os.path.isabs(s) for s in spellings)
     expected = _render(data, tmp_path / "a")
+    # Rows written from another checkout (absolute paths: the bug's trigger) still match by file name ...
     moved = copy.deepcopy(data)
     for section in ("sweep", "robust", "agree_fast", "agree_real", "full_real", "learned_eval"):
         for r in moved[section]:
             r["trace"] = "/another/clone/../shared/traces/" + os.path.basename(r["trace"])
     assert _render(moved, tmp_path / "b") == expected
+    # ... and a results file the sweep writes spells them as the metadata does again.
+    assert policy_table.relative_traces(moved) == data
     name = "mooncake_synthetic_trace.jsonl"
     assert trace_key(f"/x/y/{name}") == trace_key(f"../shared/traces/{name}") == "synthetic_trace"
     assert pick([{"trace": "/x/mooncake_a.jsonl", "v": 1}], trace="../a/mooncake_a.jsonl") == {
@@ -163,3 +167,10 @@ def test_sweep_records_trace_paths_relative_to_the_repository(tmp_path: Path, mo
     assert not os.path.isabs(path)
     assert Path(resolve(path)).resolve() == trace.resolve()
     assert resolve("kvfabric/bench/traces") == str(REPO / "kvfabric" / "bench" / "traces")
+
+
+def test_metadata_naming_a_trace_by_absolute_path_is_refused(tmp_path: Path) -> None:
+    data = _committed()
+    data["meta"]["traces"] = {"/abs/" + os.path.basename(k): v for k, v in data["meta"]["traces"].items()}
+    with pytest.raises(MissingRows, match="absolute path"):
+        _render(data, tmp_path)
