@@ -309,8 +309,9 @@ def block_kv_events(ctx: Context) -> str:
 
 
 def block_fleet(ctx: Context) -> str:
-    """``fleet``: collectors writing one lake (events/s committed by 1 and by 3 collectors, per storage, with the
-    range over repetitions and conflicts) and queries on a lake and a DuckDB file of 1e8 rows (``bench_fleet.py``)."""
+    """``fleet``: collectors writing one lake (events/s committed by each number of collectors, per storage, with
+    the range over repetitions, and conflicts) and queries on a lake and a DuckDB file of 1e8 rows
+    (``bench_fleet.py``)."""
     path = f"{RESULTS}/fleet.json"
     d = ctx.load(path)
     summary = _get(d, "writer_summary", path)
@@ -415,8 +416,9 @@ def block_learned(ctx: Context) -> str:
 
 
 def block_demo(ctx: Context) -> str:
-    """``demo``: what ``kvfabric demo``'s built-in workload measured (``demo_misses_whatif.py``): requests, prefix
-    hit rate, evictions, rebuilt blocks and wasted prefill; events and disk from ``bench_retention.py``'s demo run."""
+    """``demo``: what ``kvfabric demo``'s built-in workload measured (``demo_misses_whatif.py``): requests, pool
+    size, prefix hit rate, evicted blocks, wasted prefill tokens and the offline optimum's hit rate; the events and
+    the wall time of ``kvfabric demo`` from ``bench_retention.py``'s demo run."""
     path = f"{RESULTS}/demo_misses_whatif.json"
     d = ctx.load(path)
     s = _get(d, "summary", path)
