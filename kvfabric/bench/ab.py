@@ -303,6 +303,7 @@ def warmup_tokens(requested: int | None, scenario: Scenario) -> int:
 def warmup_prompts(n: int, tokens: int) -> list[list[int]]:
     """The warm-up's prompts: ``n`` prompts of ``tokens`` token ids, the same in every arm, drawn from a seed of
     their own (a scenario's prompt sharing a whole block with them is as likely as a 64-bit hash collision)."""
+    # (the prompts pull in kvfabric.sim: only when an arm runs, so `kvfabric ab --help` stays fast)
     from kvfabric.bench.prompts import draw_tokens
 
     return [draw_tokens(random.Random(f"{WARMUP_SEED}/{i}"), tokens) for i in range(n)]
@@ -312,6 +313,7 @@ async def _warmup(scenario: Scenario, url: str, run_id: str, n: int, tokens: int
     """Send the ``n`` warm-up requests of ``tokens`` tokens (two at a time, :data:`WARMUP_MAX_TOKENS` output tokens
     each) to a ready server; their request ids are ``<run>-warmup-<i>``. Returns counts and time; the records are
     not kept (no number may include them)."""
+    # (httpx and kvfabric.sim: only when an arm runs, so `kvfabric ab --help` stays fast)
     from kvfabric.bench.client import CompletionClient, RequestRecord, discover_model
     from kvfabric.bench.prompts import Prompt, PromptFormat
 

@@ -76,7 +76,7 @@ def split_warmup(db_path: str, cuts: dict[str, int | None]) -> dict[str, int]:
     streams table is left alone (the run keeps its streams, gaps and drops). Needs the collector stopped (DuckDB
     allows one writing process); a run with no events before its cut moves nothing, so a second call is a no-op.
     """
-    import duckdb
+    import duckdb  # (only where a collector file is read: `kvfabric ab --help` and bench reports stay fast)
 
     moved: dict[str, int] = {}
     con = duckdb.connect(db_path)
@@ -102,7 +102,7 @@ def split_warmup(db_path: str, cuts: dict[str, int | None]) -> dict[str, int]:
 def offline_run(db_path: str, run_id: str) -> dict[str, Any]:
     """:func:`fetch_run`'s answer computed from the collector's file (stopped collector), by the same queries the
     collector's REST routes run."""
-    from kvfabric.queries.runner import QueryRunner
+    from kvfabric.queries.runner import QueryRunner  # (DuckDB behind it: only where a collector file is read)
 
     runner = QueryRunner.for_path(db_path)
     return {"summary": runner.run_summary(run_id), "families": runner.families(run=run_id, limit=1000)}

@@ -1,6 +1,6 @@
 """The A/B report's PNG plots (matplotlib, headless): hit rate, TTFT CDF (overall and per traffic component),
 evictions split, rebuilt over time; under ``--capacities`` hit rate and TTFT p50 against capacity. Plots of one
-capacity show the primary one (:func:`kvfabric.bench.report.primary_runs`)."""
+capacity show the primary one (:func:`kvfabric.bench.stats.primary_runs`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # headless: no display on servers and in CI
 import matplotlib.pyplot as plt
 
-from kvfabric.bench.report import primary_runs
-from kvfabric.bench.stats import median
+from kvfabric.bench.stats import median, primary_runs
 
 __all__ = ["write_plots"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvfabric.bench.analytics import request_join
 from kvfabric.bench.kv_saved import kv_saved
-from kvfabric.bench.stats import median, percentile, spread
+from kvfabric.bench.stats import median, percentile, primary_runs, spread
 
 __all__ = ["COMPONENT", "HEADLINE", "build", "client_metrics", "json_line", "print_table", "verdict",
            "write_report"]
@@ -263,11 +263,6 @@ def build(out: Path, ttft_slo_ms: float | None = None) -> dict[str, Any]:
     result.update(_summarise(primary_runs(result), policies))
     result["sweep"] = _sweep(result, capacities) if capacities else None
     return result
-
-
-def primary_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The runs the single-capacity sections describe: all of them, or under a sweep the primary capacity's."""
-    return [r for r in result["runs"] if r.get("capacity") == result.get("capacity")]
 
 
 def _cpu_by_role(processes: list[dict[str, Any]]) -> dict[str, float]:

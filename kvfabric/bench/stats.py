@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-__all__ = ["median", "percentile", "spread"]
+__all__ = ["median", "percentile", "primary_runs", "spread"]
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -31,3 +32,10 @@ def spread(values: Sequence[float | None]) -> dict[str, float | None]:
     if not xs:
         return {"median": None, "min": None, "max": None, "spread": None}
     return {"median": median(xs), "min": min(xs), "max": max(xs), "spread": max(xs) - min(xs)}
+
+
+def primary_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs of an A/B result (``kvfabric.bench.report.build``) that its single-capacity sections describe: all
+    of them, or under a capacity sweep the primary capacity's. (Here, not in the report, so that the plots, which
+    the report draws, read it without importing the report.)"""
+    return [r for r in result["runs"] if r.get("capacity") == result.get("capacity")]

@@ -578,9 +578,11 @@ def test_loss_counted_for_a_record_never_exceeds_the_rows_it_makes() -> None:
 def test_the_lean_keeper_serves_the_policies_that_read_only_lean_columns() -> None:
     """Which built-in policies get the lean keeper (a change here changes the hook's cost: hook_overhead.md)."""
     lean = {p for p in LIVE_POLICIES if make_manager(8, p)[2].keeper.lean}  # type: ignore[union-attr]
-    assert lean == {"adaptive_aging", "learned"}
+    # The peers read hits (lfu, slru), the hash (fifo) or hash and depth (tlru): lean columns only.
+    assert lean == {"adaptive_aging", "learned", "lfu", "slru", "fifo", "tlru"}
     sealless = {p for p in LIVE_POLICIES if make_manager(8, p)[2].keeper.sealless}  # type: ignore[union-attr]
-    assert sealless == {"adaptive_aging"}  # (hash and hits only: no sealing followed)
+    # (hash and hits only: no sealing followed; tlru's depth and learned's features need the seal)
+    assert sealless == {"adaptive_aging", "lfu", "slru", "fifo"}
 
 
 def test_policy_statistics_without_recording_keep_family_and_last_use() -> None:
