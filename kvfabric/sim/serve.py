@@ -5,7 +5,8 @@ KVCacheManager and BlockPool. Only the forward pass is modelled, by
 :class:`~kvfabric.sim.executor.SimulatedExecutor` (``--distributed-executor-backend``), which fabricates outputs and
 spends the time the H200 calibration of :mod:`kvfabric.sim.latency` gives for the model's shape. The KVFabric hook
 is loaded as users load it: vLLM finds the ``vllm.general_plugins`` entry point and the plugin reads the
-``KVFABRIC_*`` variables this command sets from its options. What vLLM needed for this: docs/decisions.md "vLLM's server on a CPU".
+``KVFABRIC_*`` variables this command sets from its options. What vLLM needed for this: docs/decisions.md,
+"vLLM's server on a CPU".
 
 The model is a ``config.json`` (``--load-format dummy``) with, by default, the built-in tokenizer and chat template of
 :mod:`kvfabric.sim.tokenizer` beside it: token-id prompts, text prompts and ``/v1/chat/completions`` all work.
