@@ -7,7 +7,9 @@ for each ``--limits`` value in its own process (``none`` = DuckDB's default, 80 
 
     python benchmarks/bench_collector_memory.py [--rows 3000000] [--limits none,128MB,256MB]
 
-Writes ``benchmarks/results/collector_memory.md``.
+Writes ``benchmarks/results/collector_memory.md`` (``--out``) and, next to it, ``collector_memory.json``: each
+limit's RSS points and insert seconds, with the command, machine, date (UTC) and the 1-minute load average before
+and after each limit's process (the machine is shared: the load says what else ran).
 """
 
 from __future__ import annotations
@@ -82,19 +84,24 @@ def main() -> int:
     if args.child:
         child(args.child, args.rows)
         return 0
+    command = "python benchmarks/bench_collector_memory.py " + " ".join(sys.argv[1:])
+    loads = [round(os.getloadavg()[0], 2)]
     results = []
     for limit in args.limits.split(","):
         out = subprocess.run([sys.executable, __file__, "--child", limit, "--rows", str(args.rows)],
                              capture_output=True, text=True, check=True, cwd=ROOT)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        loads.append(round(os.getloadavg()[0], 2))
         print(f"{limit}: {results[-1]['points'][-1]}", file=sys.stderr)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     marks = [p[0] for p in results[0]["points"]]
     lines = [
         "# Collector memory against stored rows, with and without DuckDB's memory limit",
         "",
-        f"Command: `python benchmarks/bench_collector_memory.py --rows {args.rows} --limits {args.limits}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"{time.strftime('%Y-%m-%d')}",
+        f"Command: `{command.strip()}`  ",
+        f"Machine: {machine}, {date}; 1-minute load average {min(loads):.2f}-{max(loads):.2f} (before and after "
+        "each limit's process)",
         "",
         "RSS (MiB) of a process appending event rows to DuckDB as the collector's writer does (4,096-row batches, one",
         "transaction each); `none` = DuckDB's default limit (80 % of RAM). The collector's default is",
@@ -107,7 +114,12 @@ def main() -> int:
         lines.append(f"| {mark:,} | " + " | ".join(f"{r['points'][k][1]:.0f}" for r in results) + " |")
     lines.append("| insert seconds | " + " | ".join(f"{r['seconds']:.1f}" for r in results) + " |")
     Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    data = {"command": command.strip(), "machine": machine, "date": date, "load_average_1m": loads,
+            "rows": args.rows, "batch_rows": BATCH, "rss_unit": "MiB",
+            "limits": [{"limit": r["limit"], "points": r["points"], "insert_seconds": r["seconds"]} for r in results]}
+    json_out = Path(args.out).with_suffix(".json")
+    json_out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out} and {json_out}")
     return 0
 
 

@@ -19,6 +19,10 @@ are built (kvfabric/policies/native_index.py, kvfabric/engine/compiled.py), the 
 one pass and the recording of the four frequent pool calls are not in these counts at all; the timed benchmark
 and ``bench_hook_calls.py`` see them (``KVFABRIC_NATIVE=0`` counts the Python code instead). Tracing makes a run
 ~30x slower (minutes per mode).
+
+Writes ``--out`` (Markdown) and, next to it, the same name with ``.json``: every mode's counts by group and its most
+executed KVFabric functions, with the command, machine, date (UTC) and the 1-minute load average at the start and
+the end (counts do not depend on the load; the run's duration does).
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)} (known: {', '.join(MODES)})")
     started = time.monotonic()
+    load_start = os.getloadavg()[0]
 
     def run(mode: str) -> dict[str, Any]:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", mode]
@@ -136,12 +141,16 @@ def main() -> int:
         summary |= {f"{m}_vs_plain": round(t / base, 4) for m, t in total.items() if m != "plain"}
     summary |= {f"{m}_kvfabric_opcodes": r["groups"].get("kvfabric", 0) for m, r in results.items()}
 
+    command = "python benchmarks/bench_hook_bytecode.py " + " ".join(sys.argv[1:])
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    loads = [round(load_start, 2), round(os.getloadavg()[0], 2)]
     lines = [
         "# The hook's cost in bytecode (CPU demo workload)",
         "",
-        f"Command: `python benchmarks/bench_hook_bytecode.py --modes {','.join(modes)}`"
-        + (f" `--steps {args.steps}`" if args.steps is not None else "") + "  ",
-        f"Machine: {platform.machine()}, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}  ",
+        f"Command: `{command.strip()}`  ",
+        f"Machine: {machine}, {date}; 1-minute load average {loads[0]:.2f} at the start, {loads[1]:.2f} at the end "
+        f"({time.monotonic() - started:.0f} s)  ",
         "What: Python bytecode instructions executed in the engine's steps, by where the code lives (repeatable but "
         "for the clock-driven hand-overs; see the script's docstring for what they are and are not).",
         "",
@@ -163,6 +172,11 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write("\n".join(lines))
+        data = {"command": command.strip(), "machine": machine, "date": date, "load_average_1m": loads,
+                "seconds": round(time.monotonic() - started), "steps": args.steps, "groups": list(GROUPS),
+                "modes": [results[m] | {"total": total[m]} for m in modes], "summary": summary}
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
     print("\n".join(lines[:8 + len(modes)]))
     print(json.dumps(summary, sort_keys=True))
     return 0

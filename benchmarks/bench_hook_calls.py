@@ -24,6 +24,10 @@ one, its time is mostly the memory it touches for the first time since its last 
 interpreter's caches), not the instructions it executes: removing instructions then saves little, and removing
 whole calls, or the data they touch, is what pays. Timings, unlike ``bench_hook_bytecode.py``'s counts, move with
 the machine: compare ratios within one run.
+
+Writes ``--out`` (Markdown) and, next to it, the same name with ``.json``: every entry point's calls and medians,
+with the command, machine, date (UTC) and the 1-minute load average at the start and the end (timings move with
+what else runs on the machine).
 """
 
 from __future__ import annotations
@@ -145,18 +149,21 @@ def main() -> int:
         ap.error("--samples must be at least 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.monotonic()
+    load_start = os.getloadavg()[0]
     engine, samples, done = in_place(args.steps)
     print(f"run: {done} steps in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     again = warm_and_cold(engine, args.samples)
     summary: dict[str, Any] = {"steps": done, "samples": args.samples}
+    command = "python benchmarks/bench_hook_calls.py " + " ".join(sys.argv[1:])
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    loads = [round(load_start, 2), round(os.getloadavg()[0], 2)]
+    entries: list[dict[str, Any]] = []
     lines = [
         "# One steering call inside vLLM's step, against warm and cold (CPU demo workload, `adaptive_aging`)",
         "",
-        "Command: `python benchmarks/bench_hook_calls.py`"
-        + (f" `--steps {args.steps}`" if args.steps is not None else "")
-        + (f" `--samples {args.samples}`" if args.samples != 300 else "") + "  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"{time.strftime('%Y-%m-%d')}  ",
+        f"Command: `{command.strip()}`  ",
+        f"Machine: {machine}, {date}; 1-minute load average {loads[0]:.2f} at the start, {loads[1]:.2f} at the end  ",
         "What: median µs per call, in place (inside the run) and, for two of them, on the final state back to back "
         "(warm) and after a 32 MiB cache thrash (cold); see the script's docstring.",
         "",
@@ -174,6 +181,8 @@ def main() -> int:
         if row:
             summary[f"{key}_warm_us"] = warm
             summary[f"{key}_cold_us"] = cold
+        entries.append({"entry_point": name, "calls": len(ns), "in_place_median_us": _us(ns),
+                        "in_place_total_ms": round(sum(ns) / 1e6, 1), "warm_us": warm, "cold_us": cold})
         ratio = f"{_us(ns) / warm:.1f}x" if warm else "-"
         lines.append(f"| `{name}` | {len(ns):,} | {_us(ns)} | {sum(ns) / 1e6:.1f} | {warm if row else '-'} | "
                      f"{cold if row else '-'} | {ratio} |")
@@ -182,6 +191,10 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write("\n".join(lines))
+        data = {"command": command.strip(), "machine": machine, "date": date, "load_average_1m": loads,
+                "steps": done, "samples": args.samples, "entry_points": entries, "summary": summary}
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
     print("\n".join(lines[7:-5]))
     print(json.dumps(summary, sort_keys=True))
     return 0

@@ -10,12 +10,17 @@ set and lifecycle recording off (steering then keeps statistics only), plus ``+e
 recording on (events go to the in-memory buffer, drained outside the timed region).
 
 Usage: python benchmarks/bench_policy_cost.py [--sizes 10000,100000,1000000] [--out benchmarks/results/...md]
+
+``--out X.md`` also writes ``X.json``: every configuration's µs per block at each size, with the command, machine,
+date (UTC) and the 1-minute load average before the first configuration and after each one (wall times move with
+what else runs on the machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import statistics
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvfabric.policies import POLICY_NAMES
 
     sizes = [int(s) for s in args.sizes.split(",")]
+    loads = [round(os.getloadavg()[0], 2)]
     rows: list[tuple[str, list[float]]] = []
     configs = [("lru", False)] + [(p, False) for p in POLICY_NAMES if p != "lru"]
     configs += [("lru", True), ("adaptive_aging", True)]
@@ -119,14 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         label = policy + (" +events" if events else "")
         times = [measure(n, policy, events, args.rounds, args.repeats) for n in sizes]
         rows.append((label, times))
+        loads.append(round(os.getloadavg()[0], 2))
         print(f"{label:<24}" + "".join(f"{t:10.2f}" for t in times), flush=True)
     header = "| configuration | " + " | ".join(f"{n:,} blocks" for n in sizes) + " | max/min |"
+    command = f"python benchmarks/bench_policy_cost.py {' '.join(sys.argv[1:] if argv is None else argv)}".strip()
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
         "# Per-allocation cost of the eviction policies",
         "",
-        f"Command: `python benchmarks/bench_policy_cost.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-        f"Machine: {platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
+        f"Command: `{command}`",
+        f"Machine: {machine}, {date}; 1-minute load average {min(loads):.2f}-{max(loads):.2f} (before the first "
+        "configuration and after each)",
         "",
         "Wall time per allocated block (µs), median of repeats: `get_new_blocks(64)` evicting 64 cached blocks,",
         "sealing them again (`cache_full_blocks`) and freeing them, on vLLM's real `BlockPool`. `lru` is vLLM with no",
@@ -141,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(report)
+        data = {"command": command, "machine": machine, "date": date, "load_average_1m": loads,
+                "sizes": sizes, "batch": BATCH, "rounds": args.rounds, "repeats": args.repeats,
+                "configurations": [{"configuration": label, "us_per_block": [round(t, 3) for t in times],
+                                    "max_over_min": round(max(times) / min(times), 3)} for label, times in rows]}
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
+            fh.write(json.dumps(data, indent=1) + "\n")
     print(report)
     return 0
 

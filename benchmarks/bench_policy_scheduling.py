@@ -12,15 +12,21 @@ rate, prompt tokens actually computed, TTFT p50/p99, makespan, and requests held
 that nothing is held when there is nothing to share.
 
 Usage: python benchmarks/bench_policy_scheduling.py [--out benchmarks/results/policy_scheduling.md]
+
+``--out X.md`` also writes ``X.json``: every row of the table and the means over the template seeds, with the
+command, machine, date (UTC) and the 1-minute load average at the start and the end (the times are simulated GPU
+seconds, which the load does not move; ``scheduler_cpu_s`` is wall time and does move with it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
 import sys
+import time
 from typing import Any
 
 BLOCK = 16
@@ -82,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from kvfabric.sim.workload import unique_cold_workload
 
+    load_start = os.getloadavg()[0]
     rows = []
     for seed in range(args.seeds):
         items = template_bursts(seed)
@@ -92,12 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     cold = unique_cold_workload(0, num_requests=200)
     for cas in (False, True):
         rows.append(("unique cold", 0, cas, run(cold, cas, args.threshold)))
+    command = f"python benchmarks/bench_policy_scheduling.py {' '.join(sys.argv[1:] if argv is None else argv)}".strip()
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    loads = [round(load_start, 2), round(os.getloadavg()[0], 2)]
     lines = [
         "# Cache-aware scheduling: what holding a request back gains",
         "",
-        f"Command: `python benchmarks/bench_policy_scheduling.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-        f"Machine: {platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
+        f"Command: `{command}`",
+        f"Machine: {machine}, {date}; 1-minute load average {loads[0]:.2f} at the start, {loads[1]:.2f} at the end",
         "",
         "vLLM 0.33's real Scheduler on CPU, simulated model with the `qwen` H200 latency model (times are simulated",
         f"GPU seconds), max_num_seqs 16, max_num_batched_tokens 4096, long_prefill_token_threshold {args.threshold}.",
@@ -132,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(report)
+        keys = ("hit_rate", "computed_prompt_tokens", "ttft_p50_s", "ttft_p99_s", "makespan_s")
+        data = {"command": command, "machine": machine, "date": date, "load_average_1m": loads,
+                "threshold": args.threshold, "seeds": args.seeds,
+                "rows": [{"workload": name, "seed": seed, "cache_aware": cas} | r for name, seed, cas, r in rows],
+                "template_mean": {"on": {k: mean(k, True) for k in keys}, "off": {k: mean(k, False) for k in keys}}}
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
+            fh.write(json.dumps(data, indent=1) + "\n")
     print(report)
     return 0
 

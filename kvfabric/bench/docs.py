@@ -457,6 +457,43 @@ def block_soak(ctx: Context) -> str:
     return "\n".join(w) + "\n"
 
 
+def block_collector_memory(ctx: Context) -> str:
+    """``collector-memory``: the RSS of a process appending event rows to DuckDB as the collector's writer does,
+    by DuckDB memory limit, every 600k rows (``bench_collector_memory.py``), and the growth per million rows stored
+    without a limit."""
+    path = f"{RESULTS}/collector_memory.json"
+    d = ctx.load(path)
+    limits = _get(d, "limits", path)
+    marks = [p[0] for p in limits[0]["points"]] if limits else []
+    if len(marks) < 2 or any([p[0] for p in r["points"]] != marks for r in limits):
+        raise DocsError(f"{path}: the limits need the same two or more RSS points (rows stored) each")
+    names = {"none": "none (DuckDB's default: 80 % of RAM)", "256MB": "256MB (the collector's default)"}
+    rows = [[f"{m:,}"] + [f"{r['points'][k][1]:.0f}" for r in limits] for k, m in enumerate(marks)]
+    rows.append(["insert seconds"] + [f"{r['insert_seconds']:.1f}" for r in limits])
+    w = [f"RSS (MiB) of a process appending event rows into a fresh DuckDB file as the collector's writer does "
+         f"({d['batch_rows']:,}-row batches, one transaction each), by `--memory-limit` (`{d['command']}`, "
+         f"{ctx.link(path)}; {d['machine']}, {d['date']}):", ""]
+    w += _table(["rows stored"] + [names.get(r["limit"], r["limit"]) for r in limits], rows, "collector-memory")
+    notes = []
+    uncapped = next((r for r in limits if r["limit"] == "none"), None)
+    if uncapped is not None:
+        (r0, m0), (r1, m1) = uncapped["points"][0], uncapped["points"][-1]
+        notes.append(f"Without a limit the process grows by {(m1 - m0) / ((r1 - r0) / 1e6):.0f} MiB per million "
+                     f"rows stored ({m0:.0f} -> {m1:.0f} MiB).")
+    capped = [r for r in limits if r["limit"] != "none"]
+    if capped:
+        peaks = ", ".join(f"{max(p[1] for p in r['points']):.0f} MiB at {r['limit']}" for r in capped)
+        notes.append(f"The limit bounds DuckDB's own memory, not the process's (the highest RSS sampled under a limit: "
+                     f"{peaks}).")
+    w += ["", " ".join(notes)]
+    loads = d.get("load_average_1m") or []
+    cores = _cores(d["machine"])
+    if loads and cores and max(loads) > cores:
+        w += ["", f"The machine was busy (1-minute load average {min(loads):.1f}-{max(loads):.1f} on {cores} cores): "
+              "insert seconds depend on what else ran; RSS does not."]
+    return "\n".join(w) + "\n"
+
+
 #: Block name -> renderer. Each renderer reads only the results files it links to.
 BLOCKS: dict[str, Callable[[Context], str]] = {
     "costs": block_costs,
@@ -469,6 +506,7 @@ BLOCKS: dict[str, Callable[[Context], str]] = {
     "learned": block_learned,
     "demo": block_demo,
     "soak": block_soak,
+    "collector-memory": block_collector_memory,
 }
 
 _BEGIN = re.compile(r"^<!-- BEGIN GENERATED ([a-z0-9-]+) -->$")

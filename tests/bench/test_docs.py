@@ -91,6 +91,39 @@ def test_removing_a_results_row_fails_the_check(tmp_path: Path) -> None:
     assert any("costs" in p for p in docs.check(root))
 
 
+def test_the_collector_memory_figures_are_the_results_files(tmp_path: Path) -> None:
+    """docs/reliability.md's memory figures come from collector_memory.json: a changed RSS or a removed row fails the
+    check, a file without limits or without the file at all cannot be rendered."""
+    rel = "benchmarks/results/collector_memory.json"
+    root = _copy(tmp_path)
+    page = "docs/reliability.md"
+    assert "collector-memory" in docs.blocks_in((root / page).read_text())
+    assert docs.check(root) == []
+
+    def restore() -> None:
+        shutil.copy(ROOT / rel, root / rel)
+
+    def bump(d: dict[str, Any]) -> None:
+        d["limits"][0]["points"][-1][1] += 100  # the uncapped RSS after the last batch
+
+    _edit(root, rel, bump)
+    assert docs.check(root) == [f"{page} differs from what the results render (blocks: soak, collector-memory)"]
+    restore()
+    _edit(root, rel, lambda d: [lim["points"].pop() for lim in d["limits"]])  # a table row fewer
+    assert any(page in p and "collector-memory" in p for p in docs.check(root))
+    restore()
+    _edit(root, rel, lambda d: d["limits"][1]["points"].pop())  # the limits no longer sampled at the same rows
+    with pytest.raises(docs.DocsError, match=r"collector_memory\.json: the limits need the same"):
+        docs.check(root)
+    _edit(root, rel, lambda d: d.update(limits=[]))
+    with pytest.raises(docs.DocsError, match=r"collector_memory\.json: the limits need the same"):
+        docs.check(root)
+    (root / rel).unlink()
+    with pytest.raises(docs.DocsError, match=r"cites benchmarks/results/collector_memory\.json, which does not exist"):
+        docs.check(root)
+    assert docs.main(["--check", "--root", str(root)]) == 2
+
+
 def test_removing_a_policy_sweep_row_makes_the_renderer_fail(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     _edit(root, docs.POLICY_DATA, lambda d: d["sweep"].remove(next(r for r in d["sweep"] if r["policy"] == "lru")))
@@ -178,7 +211,8 @@ def test_block_markers_are_a_contract(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     page = root / "docs/reliability.md"
     page.write_text(page.read_text() + "\n" + text)
-    assert docs.check(root) == ["docs/reliability.md differs from what the results render (blocks: soak, disk)"]
+    assert docs.check(root) == ["docs/reliability.md differs from what the results render "
+                                "(blocks: soak, collector-memory, disk)"]
     assert docs.main(["--check", "--root", str(root)]) == 1
     page.write_text(docs.fill_blocks(page.read_text(), docs.Context(root, "docs/reliability.md")))
     assert docs.check(root) == []
