@@ -233,8 +233,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVFABRIC_TLRU_NEXT_PROMPT_TOKENS", "int", 256, "the `tlru` policy's Q_hat: new prompt tokens expected "
             "in a conversation's next turn", field="tlru_next_prompt_tokens", minimum=0),
     Setting("KVFABRIC_ADMISSION_ANCHOR_BLOCKS", "int", 0, "admission gate: cache at most this many leading blocks of "
-            "requests outside a known family. Off by default: on the synthetic trace at 30-50 % capacity a gate of "
-            "24 costs 2.3-9.3 points of hit rate (`docs/policy-results.md`)",
+            "requests outside a known family. Off by default: on the synthetic trace it lowers the hit rate (the "
+            "cost by capacity is in `docs/policy-results.md`)",
             field="admission_anchor_blocks", minimum=0, default_note="off"),
     Setting("KVFABRIC_CACHE_AWARE_SCHEDULING", "bool", False, "hold a waiting request while a running one prefills "
             "the blocks it needs", field="cache_aware_scheduling"),
@@ -262,7 +262,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVFABRIC_BUFFER_EVENTS", "int", 1_000_000, "bound on events held in memory before they are dropped and "
             "counted (the ring holds 48 bytes per event, at least 1 KiB)", field="buffer_events", minimum=1),
     Setting("KVFABRIC_EVICTED_MEMORY", "int", 0, "recently evicted digests the forwarder remembers for "
-            "rebuilt/regret detection (~250 bytes each)", field="evicted_memory", minimum=0,
+            "rebuilt/regret detection (one digest, its time and family each)", field="evicted_memory", minimum=0,
             default_note="64 x the pool's blocks, at least 65536, at most 1000000"),
     Setting("KVFABRIC_REGRET_WINDOW_S", "float", 60.0, "W of the regretful-eviction definition, in seconds "
             "(`docs/design.md` §5)", field="regret_window_s", minimum=0),
