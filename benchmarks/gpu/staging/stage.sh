@@ -61,6 +61,13 @@ rmdir "$tmp"
 used=$(du -sb "$G/c$i" | cut -f1)
 for w in "${over[@]}"; do
   s=$(stat -c %s "$w")
+  if [ "$s" -gt "$lim" ]; then
+    # A wheel larger than a folder (pyarrow: ~53 MiB) travels in pieces, one folder each; `dev.sh deps`
+    # joins split/NAME.part.* back into deps/NAME.
+    tmp=$(mktemp -d); split -b "${CHUNK}M" -d -a 1 "$w" "$tmp/$(basename "$w").part."
+    for p in "$tmp"/*.part.*; do i=$((i+1)); mkdir -p "$G/c$i/split"; mv "$p" "$G/c$i/split/"; done
+    rmdir "$tmp"; used=$lim; continue
+  fi
   if [ $((used+s)) -gt $lim ]; then i=$((i+1)); used=0; fi
   mkdir -p "$G/c$i/deps"; cp "$w" "$G/c$i/deps/"; used=$((used+s))
 done
