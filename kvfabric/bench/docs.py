@@ -50,6 +50,7 @@ from typing import Any
 
 from kvfabric.argtypes import HelpFormatter
 from kvfabric.bench import learned_table, policy_table, serving_results
+from kvfabric.bench.report import fmt
 from kvfabric.bench.table_rows import MissingRows, gap_closed, need, trace_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -495,6 +496,40 @@ def block_collector_memory(ctx: Context) -> str:
 
 
 #: Block name -> renderer. Each renderer reads only the results files it links to.
+def block_serving(ctx: Context) -> str:
+    """``serving``: the GPU A/Bs that ran every planned arm (``benchmarks/results/gpu/serving/*/ab.json``), one row
+    per policy against LRU: hit rate, TTFT p50 and p90 and requests/s as medians, each with the A/B's verdict
+    ("none" inside the arms' spread). Incomplete A/Bs are left to ``docs/serving-results.md``, which labels them."""
+    try:
+        results = serving_results.load(serving_results.GPU, ctx.root)
+    except serving_results.ResultsError as exc:
+        raise DocsError(f"{ctx.page}: {exc}") from exc
+    rows = []
+    keys = (("prefix_hit_rate", "pct"), ("ttft_p50_s", "ms"), ("ttft_p90_s", "ms"), ("requests_per_s", "rate"))
+    for r in results:
+        if not r.complete or "lru" not in r.policies:
+            continue
+        reps = int(r.data["plan"]["repeat"])
+        for policy in (p for p in r.policies if p != "lru"):
+            verdicts = r.data["verdicts"][policy]
+            cells = []
+            for key, unit in keys:
+                lru, pol = r.median("lru", key), r.median(policy, key)
+                if lru is None or pol is None:
+                    raise DocsError(f"{r.path}/ab.json: no median of {key} for lru and {policy}")
+                cells.append(f"{fmt(lru, unit)} -> {fmt(pol, unit)} "
+                             f"({serving_results.verdict_text(verdicts.get(key))})")
+            rows.append([" + ".join(r.cards) or "GPU", f"`{r.scenario}`", f"`{policy}` vs `lru`", *cells,
+                         str(reps), f"[report]({ctx.rel(str(r.path / 'report.md'))})"])
+    w = ["On a GPU (vLLM 0.26.0, the Llama-3-8B shape with dummy weights, compiled; `kvfabric ab`: a fresh server per "
+         "arm, arms interleaved, warm-up excluded), the A/Bs that ran every planned arm "
+         f"({ctx.link(str(serving_results.GPU) + '/')}, written by `benchmarks/gpu/ab_h200.sh`); medians, LRU -> "
+         "the policy, and the verdict: \"none\" where the arms' ranges overlap:", ""]
+    w += _table(["card", "scenario", "policies", "prefix hit rate", "TTFT p50", "TTFT p90", "requests/s",
+                 "repetitions", "results"], rows, "serving")
+    return "\n".join(w) + "\n"
+
+
 BLOCKS: dict[str, Callable[[Context], str]] = {
     "costs": block_costs,
     "disk": block_disk,
@@ -507,6 +542,7 @@ BLOCKS: dict[str, Callable[[Context], str]] = {
     "demo": block_demo,
     "soak": block_soak,
     "collector-memory": block_collector_memory,
+    "serving": block_serving,
 }
 
 _BEGIN = re.compile(r"^<!-- BEGIN GENERATED ([a-z0-9-]+) -->$")

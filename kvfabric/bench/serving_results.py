@@ -136,7 +136,7 @@ def _cell(entry: dict[str, Any] | None, unit: str) -> str:
     return text
 
 
-def _call(v: dict[str, Any] | None) -> str:
+def verdict_text(v: dict[str, Any] | None) -> str:
     """The A/B's verdict as the page says it: the relative change where a difference is called, else "none"."""
     if v is None:
         return "n/a"
@@ -177,7 +177,7 @@ def _ab_section(r: Result, title: str) -> list[str]:
             continue
         unit = _UNITS.get(key, "")
         rows.append([_LABELS.get(key, key), *[_cell(d["by_policy"][p].get(key), unit) for p in r.policies],
-                     *[_call(d["verdicts"][p].get(key)) for p in others]])
+                     *[verdict_text(d["verdicts"][p].get(key)) for p in others]])
     out += _table(header, rows)
     traffic = d.get("traffic") or {}
     if traffic:
@@ -190,7 +190,7 @@ def _ab_section(r: Result, title: str) -> list[str]:
                 unit = _UNITS.get(key, "")
                 rows.append([f"{name}: {_LABELS.get(key, key)}",
                              *[_cell(t["by_policy"][p].get(key), unit) for p in r.policies],
-                             *[_call(t["verdicts"][p].get(key)) for p in others]])
+                             *[verdict_text(t["verdicts"][p].get(key)) for p in others]])
         out += _table(["component: metric", *header[1:]], rows)
     plots = [p for p in ("ttft_cdf_by_component.png", "ttft_cdf.png", "hit_rate.png")
              if r.has_plot(p)]
@@ -299,11 +299,11 @@ def targets(gpu: list[Result], sweeps: list[Result]) -> list[list[str]]:
                 rel, call = _rel(v.get(key)), (v.get(key) or {}).get("call")
                 met = call == "better" and rel is not None and rel <= -0.20
                 rows.append([f"{_LABELS[key]} >= 20 % below LRU", f"`{r.scenario}` (`{best}`; {where})",
-                             _call(v.get(key)), ("met" if met else "not met") + tag])
+                             verdict_text(v.get(key)), ("met" if met else "not met") + tag])
             thr = [(k, _rel(v.get(k)), (v.get(k) or {}).get("call")) for k in ("requests_per_s", "goodput_per_s")]
             met = any(c == "better" and x is not None and x >= 0.10 for _, x, c in thr)
             rows.append(["requests/s or goodput >= 10 % above LRU", f"`{r.scenario}` (`{best}`; {where})",
-                         "; ".join(f"{k.removesuffix('_per_s')}: {_call(v.get(k))}" for k, _, _ in thr),
+                         "; ".join(f"{k.removesuffix('_per_s')}: {verdict_text(v.get(k))}" for k, _, _ in thr),
                          ("met" if met else "not met") + tag])
             peers = [p for p in r.policies if p in PEERS]
             if peers and best not in PEERS:

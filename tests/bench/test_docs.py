@@ -237,3 +237,26 @@ def test_costs_calls_the_off_mode_the_noise_floor() -> None:
     streaming = next(ln for ln in text.splitlines() if ln.startswith("| streaming "))
     assert docs.ratio_range([lo, hi])[0] in streaming
     assert all(f"fresh_clone_{i}.json" in text for i in range(1, len(runs) + 1))
+
+
+def test_the_readme_serving_figures_are_the_complete_gpu_ab_results(tmp_path: Path) -> None:
+    """The README's GPU serving table reads the committed A/B results: a changed median fails the check, and an A/B
+    that lost a run (so no longer complete) leaves the table, which then has no row and cannot be rendered."""
+    root = _copy(tmp_path)
+    assert "serving" in docs.blocks_in((root / "README.md").read_text())
+    assert docs.check(root) == []
+    complete = [r for r in docs.serving_results.load(docs.serving_results.GPU, root) if r.complete]
+    assert complete, "the README's serving table needs one complete GPU A/B"
+    rel = f"{complete[0].path}/ab.json"
+
+    def slower(d: dict[str, Any]) -> None:
+        d["by_policy"]["lru"]["ttft_p90_s"]["median"] += 0.1
+
+    _edit(root, rel, slower)
+    assert any("README.md" in p and "serving" in p for p in docs.check(root))
+    shutil.copy(ROOT / rel, root / rel)
+    assert docs.check(root) == []
+    for r in complete:
+        _edit(root, f"{r.path}/ab.json", lambda d: d["runs"].pop())
+    with pytest.raises(docs.DocsError, match="serving"):
+        docs.check(root)
