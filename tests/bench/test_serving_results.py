@@ -79,3 +79,34 @@ def test_gpu_results_name_their_card_and_an_incomplete_ab_says_so(tmp_path: Path
     page = sr.render(root)
     assert "Incomplete" not in page and "incomplete" not in page
     assert "### NVIDIA H200: `long_conversation_return`" in page and "NVIDIA H200, 2 repetitions" in page
+
+
+def test_the_best_configuration_is_ours_and_is_judged_against_every_peer(tmp_path: Path) -> None:
+    """The targets' "best configuration" is KVFabric's own policy even where a peer has the lowest TTFT p50; it is
+    ahead of a peer only when the A/B's rule calls it better on TTFT p50 or p90 and worse on neither."""
+    root = _copy_results(tmp_path)
+    f = root / sr.CPU_AB / "long_conversation_return" / "ab.json"
+    committed = json.loads(f.read_text())
+    assert {"lru", "shared_aware", "lfu"} <= set(committed["policies"])
+
+    def peer_row() -> list[str]:
+        cpu = [r for r in sr.load(sr.CPU_AB, root) if r.scenario == "long_conversation_return"]
+        rows = [row for row in sr.targets([], [], cpu) if row[0].startswith("ahead of every peer")]
+        assert len(rows) == 1
+        return rows[0]
+
+    def shift(policy: str, key: str, by: float) -> None:
+        data = json.loads(f.read_text())
+        s = data["by_policy"][policy][key]
+        s["values"] = [v + by for v in s["values"]]
+        s.update(median=s["median"] + by, min=s["min"] + by, max=s["max"] + by)
+        f.write_text(json.dumps(data))
+
+    shift("lfu", "ttft_p50_s", -1.0)  # the peer has by far the lowest p50 ...
+    row = peer_row()
+    assert "(`shared_aware`;" in row[1]  # ... yet the best configuration is ours
+    assert "vs `lfu`: p50 worse" in row[2] and row[3] == "not ahead"
+    f.write_text(json.dumps(committed))
+    shift("lfu", "ttft_p90_s", +1.0)  # the peer's tail far behind, p50 as measured
+    row = peer_row()
+    assert "p90 better" in row[2] and "p50 worse" not in row[2] and row[3] == "ahead"
