@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,3 +111,46 @@ def test_the_best_configuration_is_ours_and_is_judged_against_every_peer(tmp_pat
     shift("lfu", "ttft_p90_s", +1.0)  # the peer's tail far behind, p50 as measured
     row = peer_row()
     assert "p90 better" in row[2] and "p50 worse" not in row[2] and row[3] == "ahead"
+
+
+def test_within_one_percent_of_lru_is_decided_only_where_the_runs_can_resolve_it(tmp_path: Path) -> None:
+    """``ordinary_unique_cold``: a called difference over 1 % is "not met"; medians all within 1 % is "met"; a
+    difference inside the spread, with medians further apart than 1 %, is undecided, never "met" or "not met"."""
+    root = _copy_results(tmp_path)
+    f = root / sr.CPU_AB / "ordinary_unique_cold" / "ab.json"
+    committed = json.loads(f.read_text())
+    keys = [k for k in sr.PAGE_METRICS if (k.endswith("_s") or "per_s" in k)
+            and committed["verdicts"]["shared_aware"].get(k) is not None]
+
+    def row() -> list[str]:
+        cpu = [r for r in sr.load(sr.CPU_AB, root) if r.scenario == "ordinary_unique_cold"]
+        rows = [x for x in sr.targets([], [], cpu) if x[0].startswith("within 1 %")]
+        assert len(rows) == 1
+        return rows[0]
+
+    def edit(change: Any) -> None:
+        data = json.loads(json.dumps(committed))
+        change(data)
+        f.write_text(json.dumps(data))
+
+    def identical(d: dict[str, Any]) -> None:
+        for k in keys:
+            d["by_policy"]["shared_aware"][k] = dict(d["by_policy"]["lru"][k])
+            d["verdicts"]["shared_aware"][k] = {"call": "no difference", "delta": 0.0, "relative": 0.0}
+
+    edit(identical)
+    assert row()[3] == "met"
+
+    def one_called(d: dict[str, Any]) -> None:
+        identical(d)
+        d["verdicts"]["shared_aware"]["ttft_p90_s"] = {"call": "worse", "delta": 0.02, "relative": 0.05}
+
+    edit(one_called)
+    assert row()[2:] == ["TTFT p90: worse: +5.0 %", "not met"]
+
+    def inside_spread(d: dict[str, Any]) -> None:
+        identical(d)
+        d["verdicts"]["shared_aware"]["ttft_p90_s"] = {"call": "no difference", "delta": 0.02, "relative": 0.05}
+
+    edit(inside_spread)
+    assert row()[3].startswith("undecided")
