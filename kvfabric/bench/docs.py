@@ -495,7 +495,6 @@ def block_collector_memory(ctx: Context) -> str:
     return "\n".join(w) + "\n"
 
 
-#: Block name -> renderer. Each renderer reads only the results files it links to.
 def block_serving(ctx: Context) -> str:
     """``serving``: the GPU A/Bs that ran every planned arm (``benchmarks/results/gpu/serving/*/ab.json``), one row
     per policy against LRU: hit rate, TTFT p50 and p90 and requests/s as medians, each with the A/B's verdict
@@ -530,6 +529,7 @@ def block_serving(ctx: Context) -> str:
     return "\n".join(w) + "\n"
 
 
+#: Block name -> renderer. Each renderer reads only the results files it links to.
 BLOCKS: dict[str, Callable[[Context], str]] = {
     "costs": block_costs,
     "disk": block_disk,
