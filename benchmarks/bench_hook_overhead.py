@@ -230,7 +230,11 @@ def _provenance(args: argparse.Namespace, times: dict[str, list[float]]) -> dict
         "date": time.strftime("%Y-%m-%d"),
         "round_cpu_s": {m: [round(x, 4) for x in v] for m, v in times.items()},
         "targets": TARGETS,
-        "kvfabric_path": os.path.dirname(os.path.dirname(os.path.abspath(kvfabric.__file__))),
+        # Relative to this script's checkout ("." when the package ran from it), so the record names no machine's
+        # layout; another path says the package came from another checkout's installation.
+        "kvfabric_path": os.path.relpath(
+            os.path.dirname(os.path.dirname(os.path.abspath(kvfabric.__file__))), Path(__file__).resolve().parents[1]
+        ),
         "compiled": {"recorder": compiled.BUILT, "victim_index": native_index.BUILT, "ring": ring.COMPILED},
         "kvfabric_native_env": os.environ.get("KVFABRIC_NATIVE"),
         # Other work on the machine (a shared one): the 1-minute load average when the rounds began and ended.

@@ -102,7 +102,15 @@ class Scenario:
     ttft_slo_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The scenario as plans and results record it. A bundled trace slice is named by its bare file name (what
+        the scenario file says, and what loading resolves again), never by where this machine installed it, so a
+        record reads the same from any checkout and an A/B resumes on another machine."""
+        d = asdict(self)
+        for t in d["traffic"]:
+            path = t["params"].get("path") if t["mode"] == "dataset" else None
+            if isinstance(path, str) and _resolve_trace({"path": Path(path).name}).get("path") == path:
+                t["params"]["path"] = Path(path).name
+        return d
 
 
 def _scenario_dir() -> Any:

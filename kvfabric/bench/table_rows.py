@@ -32,7 +32,7 @@ def trace_key(path: str) -> str:
 
 def repo_relative(path: str) -> str:
     """``path`` (absolute, or relative to the working directory) relative to the repository root, as results
-    files record it: ``/work/shared/traces/x.jsonl`` from a checkout at ``/work/main`` ->
+    files record it: ``/home/a/shared/traces/x.jsonl`` from a checkout at ``/home/a/main`` ->
     ``../shared/traces/x.jsonl``."""
     return os.path.relpath(os.path.abspath(path), repo_root())
 

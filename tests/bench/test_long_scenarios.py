@@ -301,3 +301,17 @@ def test_agent_tool_loop_puts_a_real_cache_under_pressure(tmp_path: Path, capsys
     assert summary["evicted_blocks"] > 0  # the pool is under pressure
     assert lru["rebuilt_from_eviction_blocks"]["median"] > 0  # histories evicted while a tool ran, rebuilt
     assert lru["prefix_hit_rate"]["median"] > 0  # and the system prompt still hit
+
+
+def test_records_name_a_bundled_trace_by_its_file_name_not_this_machines_path() -> None:
+    """Plans and results (``Scenario.as_dict``) carry no path of the machine that wrote them: a bundled slice is
+    recorded by its bare name, which loading resolves to the slice again; a trace given by its own path keeps it."""
+    sc = load_scenario("trace_mooncake_arrivals")
+    _, t = _traffic(sc, "trace")
+    assert Path(t.params["path"]).is_absolute()  # resolved where the run opens it ...
+    recorded = sc.as_dict()["traffic"][0]["params"]["path"]
+    assert recorded == "mooncake_conversation_sessions_1in8_300s.jsonl"  # ... recorded by name
+    again = scenario_from_dict({"traffic": [{"mode": "dataset", "params": {"path": recorded}}]})
+    assert again.traffic[0].params["path"] == t.params["path"]
+    own = scenario_from_dict({"traffic": [{"mode": "dataset", "params": {"path": t.params["path"]}}]})
+    assert own.as_dict()["traffic"][0]["params"]["path"] == recorded  # the bundled file, however it was named
