@@ -244,10 +244,13 @@ def _agreement_section(gpu: list[Result], cpu: list[Result]) -> list[str]:
     and each policy's change against LRU, side by side (the shape the CPU model must reproduce)."""
     out: list[str] = []
     for c in cpu:
-        same = [g for g in gpu if g.scenario == c.scenario and "lru" in g.policies and "lru" in c.policies]
+        # Only GPU A/Bs that ran every planned arm: a comparison of shapes needs the spread of complete arms (an
+        # A/B cut short, possibly one run of a policy, shows in its own section, marked incomplete).
+        same = [g for g in gpu if g.scenario == c.scenario and g.complete and "lru" in g.policies
+                and "lru" in c.policies]
         if not same:
             continue
-        g = max(same, key=lambda r: (r.complete, len(r.data["runs"])))
+        g = max(same, key=lambda r: len(r.data["runs"]))
         both = [p for p in g.policies if p != "lru" and p in c.policies]
         if not both:
             continue
@@ -302,6 +305,9 @@ def _within_one_percent(r: Result, best: str, v: dict[str, Any]) -> tuple[str, s
         return f"{_LABELS.get(c[1], c[1])}: {verdict_text(v[c[1]])}", "not met"
     if worst[0] <= 0.01:
         return f"largest change {worst[0] * 100:.1f} % ({_LABELS.get(worst[1], worst[1])})", "met"
+    if any(str(v[k].get("call", "")).startswith("no spread") for k in keys):
+        return (f"medians up to {worst[0] * 100:.1f} % apart ({_LABELS.get(worst[1], worst[1])}); one run of an arm: "
+                "no spread to call a difference against", "undecided: too few runs")
     by = r.data["by_policy"]
     spread = max((by[p][k]["spread"] or 0.0) / by[p][k]["median"] for p in ("lru", best) for k in keys
                  if by[p].get(k) and by[p][k].get("median"))

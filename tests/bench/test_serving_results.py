@@ -74,7 +74,9 @@ def test_gpu_results_name_their_card_and_an_incomplete_ab_says_so(tmp_path: Path
     for folder in (root / sr.GPU).iterdir():
         if (folder / "ab.json").is_file():
             data = json.loads((folder / "ab.json").read_text())
-            data["plan"]["repeat"] = 2  # as if 2 repetitions had been planned: the A/B is complete
+            # As if only the repetitions every policy got had been planned: the A/B is complete.
+            data["plan"]["repeat"] = min(sum(1 for run in data["runs"] if run["policy"] == p)
+                                         for p in data["policies"])
             (folder / "ab.json").write_text(json.dumps(data))
             (folder / "environment.txt").write_text("NVIDIA H200, 143771 MiB, 580.159.04\n")
     page = sr.render(root)
@@ -154,3 +156,30 @@ def test_within_one_percent_of_lru_is_decided_only_where_the_runs_can_resolve_it
 
     edit(inside_spread)
     assert row()[3].startswith("undecided")
+
+    def one_run(d: dict[str, Any]) -> None:
+        identical(d)
+        d["verdicts"]["shared_aware"]["ttft_p90_s"] = {"call": "no spread (1 repetition)", "delta": 0.02,
+                                                       "relative": 0.05}
+
+    edit(one_run)  # one run of an arm: nothing to call a difference against, whatever the medians say
+    assert row()[3] == "undecided: too few runs" and "one run of an arm" in row()[2]
+
+
+def test_gpu_against_cpu_compares_only_gpu_abs_that_ran_every_arm(tmp_path: Path) -> None:
+    """An A/B cut short stays in its own (marked) section but is not set against the CPU model; once its plan's
+    repetitions all ran it is."""
+    root = _copy_results(tmp_path)
+    gpu = sr.load(sr.GPU, root)
+    cpu = sr.load(sr.CPU_AB, root)
+    short = [g for g in gpu if not g.complete and g.scenario in {c.scenario for c in cpu}]
+    assert short, "the committed results hold an incomplete GPU A/B of a scenario the CPU ran"
+    g = short[0]
+    heading = f"### `{g.scenario}`: "
+    done = {x.scenario for x in gpu if x.complete}
+    if g.scenario not in done:
+        assert not any(line.startswith(heading) for line in sr._agreement_section(gpu, cpu))
+    g.data["plan"]["repeat"] = min(
+        sum(1 for run in g.data["runs"] if run["policy"] == p) for p in g.policies)  # as if fewer were planned
+    assert g.complete
+    assert any(line.startswith(heading) for line in sr._agreement_section(gpu, cpu))
