@@ -150,11 +150,14 @@ def _ab_section(r: Result, title: str) -> list[str]:
     plan = d["plan"]
     base = d["baseline"]
     others = [p for p in r.policies if p != base]
-    reps = sorted({run["repetition"] for run in d["runs"]})
+    got = [sum(run["policy"] == p for run in d["runs"]) for p in r.policies]
+    # (An A/B cut short gives its policies different counts: each is named with its own.)
+    reps = (f"{got[0]} repetitions of {', '.join(f'`{p}`' for p in r.policies)}" if len(set(got)) == 1 else
+            "repetitions: " + ", ".join(f"`{p}` {n}" for p, n in zip(r.policies, got, strict=True)))
     iso = plan.get("isolated")
     slo = d.get("ttft_slo_ms")
     out = [f"### {title}: `{r.scenario}`", ""]
-    out.append(f"{len(d['runs'])} runs ({len(reps)} repetitions of {', '.join(f'`{p}`' for p in r.policies)}"
+    out.append(f"{len(d['runs'])} runs ({reps}"
                f"{', interleaved' if plan.get('order') else ''}"
                f"{', isolated arms' if iso else ', arms not isolated' if iso is False else ''}), "
                f"KV pool {plan['arms'][0].get('kv_blocks') or plan['scenario']['server']['kv_blocks']:,} blocks"

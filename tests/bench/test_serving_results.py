@@ -86,6 +86,21 @@ def test_gpu_results_name_their_card_and_an_incomplete_ab_says_so(tmp_path: Path
     assert "### NVIDIA H200: `long_conversation_return`" in page and "NVIDIA H200, 2 repetitions" in page
 
 
+def test_an_ab_cut_short_names_each_policys_repetitions(tmp_path: Path) -> None:
+    """Where the policies got different numbers of runs, the section names each one's count (not one count for
+    all); with equal counts it names the one count."""
+    root = _copy_results(tmp_path)
+    folder = root / sr.GPU / "rag_document_revisit-h100-1"
+    data = json.loads((folder / "ab.json").read_text())
+    head = "### NVIDIA H100 80GB HBM3: `rag_document_revisit`\n\n"
+    assert head + "10 runs (5 repetitions of `lru`, `shared_aware`" in sr.render(root)
+    last = max((run for run in data["runs"] if run["policy"] == "shared_aware"), key=lambda run: run["repetition"])
+    data["runs"].remove(last)
+    (folder / "ab.json").write_text(json.dumps(data))
+    page = sr.render(root)
+    assert head + "9 runs (repetitions: `lru` 5, `shared_aware` 4" in page
+
+
 def test_the_best_configuration_is_ours_and_is_judged_against_every_peer(tmp_path: Path) -> None:
     """The targets' "best configuration" is KVFabric's own policy even where a peer has the lowest TTFT p50; it is
     ahead of a peer only when the A/B's rule calls it better on TTFT p50 or p90 and worse on neither."""
