@@ -157,7 +157,8 @@ def _ab_section(r: Result, title: str) -> list[str]:
     iso = plan.get("isolated")
     slo = d.get("ttft_slo_ms")
     out = [f"### {title}: `{r.scenario}`", ""]
-    out.append(f"{len(d['runs'])} runs ({reps}"
+    n = len(d["runs"])
+    out.append(f"{n} run{'' if n == 1 else 's'} ({reps}"
                f"{', interleaved' if plan.get('order') else ''}"
                f"{', isolated arms' if iso else ', arms not isolated' if iso is False else ''}), "
                f"KV pool {plan['arms'][0].get('kv_blocks') or plan['scenario']['server']['kv_blocks']:,} blocks"
