@@ -82,6 +82,11 @@ class Result:
         return list(dict.fromkeys(names))
 
     @property
+    def runs_per_policy(self) -> list[int]:
+        """How many runs each policy got, in :attr:`policies`' order (unequal in an A/B cut short)."""
+        return [sum(run["policy"] == p for run in self.data["runs"]) for p in self.policies]
+
+    @property
     def planned_arms(self) -> int:
         plan = self.data["plan"]
         return len(self.policies) * len(plan.get("capacities") or [None]) * int(plan["repeat"])
@@ -150,7 +155,7 @@ def _ab_section(r: Result, title: str) -> list[str]:
     plan = d["plan"]
     base = d["baseline"]
     others = [p for p in r.policies if p != base]
-    got = [sum(run["policy"] == p for run in d["runs"]) for p in r.policies]
+    got = r.runs_per_policy
     # (An A/B cut short gives its policies different counts: each is named with its own.)
     reps = (f"{got[0]} repetitions of {', '.join(f'`{p}`' for p in r.policies)}" if len(set(got)) == 1 else
             "repetitions: " + ", ".join(f"`{p}` {n}" for p, n in zip(r.policies, got, strict=True)))
@@ -331,7 +336,7 @@ def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ())
         if best is None:
             continue
         v = r.data["verdicts"][best]
-        reps = min(sum(run["policy"] == p for run in r.data["runs"]) for p in r.policies)
+        reps = min(r.runs_per_policy)
         where = f"{card}, {reps} repetition{'s' if reps != 1 else ''}"
         # A verdict from fewer repetitions than planned says so: the targets ask for the full A/B.
         tag = "" if r.complete else f" (incomplete: {reps} of {r.data['plan']['repeat']} repetitions)"
