@@ -102,6 +102,8 @@ mkdir -p "$OUT/ab/run"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c 'import sys; print("python", sys.version.split()[0])'
   "$PY" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))' || true
+  # Which FlashAttention kernels the vLLM install carries (staging may leave FA2 out: slim_wheel.py).
+  "$PY" -c 'import importlib.util as u, pathlib as p; d = p.Path(u.find_spec("vllm").origin).parent / "vllm_flash_attn"; print("vllm FlashAttention kernels:", ", ".join(k for k in ("fa2", "fa3") if list(d.glob(f"_vllm_{k}_C*.so"))) or "none")' 2>/dev/null || true
   echo "serve command: $CMD"
 } >> "$OUT/ab/run/environment.txt"
 cp "$OUT/ab/run/environment.txt" "$OUT/ab/environment.txt"
