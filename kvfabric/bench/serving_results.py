@@ -1,6 +1,7 @@
 """``python -m kvfabric.bench.serving_results``: docs/serving-results.md, rendered from the committed A/B results.
 
-Inputs (each folder is one ``kvfabric ab --out`` directory, as the command wrote it; only its ``ab.json`` is read):
+Inputs (each folder is one ``kvfabric ab --out`` directory, as the command wrote it; its ``ab.json`` is read, and
+where the folder keeps them, the client's per-request records under ``runs/`` for the missed-reuse section):
 
 * ``benchmarks/results/gpu/serving/<name>/``: runs on a GPU (``benchmarks/gpu/ab_h200.sh``), each folder with the
   ``environment.txt`` of its sittings (the card is read from it);
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.argtypes import HelpFormatter
+from kvfabric.bench.missed_reuse import missed_reuse_of_folder
 from kvfabric.bench.report import COMPONENT, HEADLINE, NO_CALL, fmt, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,6 +283,50 @@ def _agreement_section(gpu: list[Result], cpu: list[Result]) -> list[str]:
     return out
 
 
+def _missed_reuse_section(r: Result) -> list[str]:
+    """Which requests the A/B's policies change (:mod:`kvfabric.bench.missed_reuse`), and what that means for TTFT
+    p50: empty when the folder keeps no per-request files, when LRU is not in it, or when no policy misses reuse."""
+    stats = missed_reuse_of_folder(r.root / r.path, r.data)
+    best = _best(r)
+    if not stats or best is None or "lru" not in r.policies or not any(m.missed for m in stats):
+        return []
+    by = {m.policy: m for m in stats}
+    card = " + ".join(r.cards) or "GPU"
+    out = [f"### `{r.scenario}` on {card} ([`{r.path}/`](../{r.path}/report.md))", ""]
+    rows = [[f"`{m.policy}`", f"{m.requests:,}", f"{m.missed:,} ({m.share * 100:.1f} %)",
+             fmt(m.missed_tokens_p50, ""), fmt(m.ttft_p50_missed_s, "ms"), fmt(m.ttft_p50_rest_s, "ms"),
+             fmt(m.ttft_p50_s, "ms")] for m in stats]
+    out += _table(["policy", "requests", "missed reuse", "tokens recomputed (median)", "TTFT p50: missed reuse",
+                   "TTFT p50: the rest", "TTFT p50: all"], rows)
+    lru, top = by["lru"], by[best]
+    text = (f"Under `lru` {lru.share * 100:.1f} % of the requests missed reuse (a median "
+            f"{fmt(lru.missed_tokens_p50, '')} tokens recomputed each), under `{best}` {top.share * 100:.1f} %.")
+    if max(lru.share, top.share) < 0.5:
+        text += (" Fewer than half of the requests miss reuse under either policy, so the median request is one "
+                 "whose own prefill the policy does not change: the policy moves the tail, where the requests that "
+                 f"miss reuse are (their TTFT p50 {fmt(lru.ttft_p50_missed_s, 'ms')} under `lru`), and TTFT p50 is "
+                 "the TTFT of requests it leaves alone (the rest: "
+                 f"{fmt(lru.ttft_p50_rest_s, 'ms')} under `lru`, {fmt(top.ttft_p50_rest_s, 'ms')} under `{best}`). "
+                 "A 20 % lower TTFT p50 needs traffic where LRU makes more than half of the requests recompute, or "
+                 "a shorter wait for the requests that recompute nothing.")
+    else:
+        text += (" At least half of the requests miss reuse under one policy, so its choice reaches the median "
+                 "request.")
+    return [*out, "", text, ""]
+
+
+def _missed_reuse_part(gpu: list[Result]) -> list[str]:
+    sections = [line for r in gpu if r.complete and r.scenario in LONG_CONTEXT for line in _missed_reuse_section(r)]
+    if not sections:
+        return []
+    return ["## Why TTFT p50 moves less than the tail", "",
+            "A scenario's requests are the same in every run, so each can be compared with itself. A request "
+            "**missed reuse** when it prefilled at least one block more than in the run, of any policy, where it "
+            "prefilled least: context one run kept cached and this run recomputed (`kvfabric/bench/missed_reuse.py`;"
+            " the client's per-request records under each folder's `runs/`, pooled over a policy's runs). Complete "
+            "A/Bs of the long-context scenarios:", "", *sections]
+
+
 # -- targets ------------------------------------------------------------------------------------------------------
 def _best(r: Result) -> str | None:
     """KVFabric's policy (not LRU, not a peer's) with the lowest median TTFT p50: the run's candidate for "best
@@ -401,6 +447,7 @@ def render(root: Path = ROOT) -> str:
               "pass timed by the model fitted to H200 measurements (`kvfabric/sim/latency.py`).", ""]
         for r in cpu_ab:
             w += _ab_section(r, "CPU")
+    w += _missed_reuse_part(gpu)
     agreement = _agreement_section(gpu, cpu_ab)
     if agreement:
         w += ["## GPU against the CPU model", "",

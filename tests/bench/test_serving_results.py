@@ -199,3 +199,24 @@ def test_gpu_against_cpu_compares_only_gpu_abs_that_ran_every_arm(tmp_path: Path
     g.data["plan"]["repeat"] = _repetitions_every_policy_got(g.data)  # as if fewer were planned
     assert g.complete
     assert any(line.startswith(heading) for line in sr._agreement_section(gpu, cpu))
+
+
+def test_why_ttft_p50_is_read_from_the_per_request_records(tmp_path: Path) -> None:
+    """The missed-reuse section needs each folder's runs/: without them it is left out; with them it says what the
+    records show, and its reading of the median follows the shares (at least half missing reuse reads otherwise)."""
+    root = _copy_results(tmp_path / "without")
+    assert "## Why TTFT p50 moves less than the tail" not in sr.render(root)
+    root = tmp_path / "with"
+    shutil.copytree(ROOT / sr.GPU, root / sr.GPU, ignore=shutil.ignore_patterns("*.png"))
+    page = sr.render(root)
+    assert "## Why TTFT p50 moves less than the tail" in page
+    assert "### `long_conversation_return` on NVIDIA H200" in page
+    assert "Fewer than half of the requests miss reuse under either policy" in page
+    lcr = root / sr.GPU / "long_conversation_return-h200-1"
+    for f in (lcr / "runs").glob("*-lru-*.bench.json"):
+        data = json.loads(f.read_text())
+        for r in data["requests"]:
+            r["cached_tokens"] = 0  # LRU keeping nothing: most requests now miss reuse under it
+        f.write_text(json.dumps(data))
+    section = sr.render(root).split("### `long_conversation_return` on NVIDIA H200")[1].split("###")[0]
+    assert "At least half of the requests miss reuse" in section
