@@ -371,6 +371,11 @@ def _within_one_percent(r: Result, best: str, v: dict[str, Any]) -> tuple[str, s
             "undecided: the spread is wider than 1 %")
 
 
+def _met(met: bool, reps: int) -> str:
+    """A target's verdict: one run of an arm has no spread, so nothing is called and the target is undecided."""
+    return "met" if met else "undecided: too few runs" if reps < 2 else "not met"
+
+
 def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ()) -> list[list[str]]:
     """One row per (target, scenario) the results can speak to: what was measured and whether it is met. GPU A/Bs
     first; the CPU A/Bs (latency model) are labelled so."""
@@ -382,7 +387,8 @@ def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ())
         if best is None:
             continue
         v = r.data["verdicts"][best]
-        reps = min(r.runs_per_policy)
+        # The repetitions of the pair a row compares (a policy of the A/B not run yet does not lower them).
+        reps = min(n for p, n in zip(r.policies, r.runs_per_policy, strict=True) if p in ("lru", best))
         where = f"{card}, {reps} repetition{'s' if reps != 1 else ''}"
         # A verdict from fewer repetitions than planned says so: the targets ask for the full A/B.
         tag = "" if r.complete else f" (incomplete: {reps} of {r.data['plan']['repeat']} repetitions)"
@@ -391,18 +397,22 @@ def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ())
                 rel, call = _rel(v.get(key)), (v.get(key) or {}).get("call")
                 met = call == "better" and rel is not None and rel <= -0.20
                 rows.append([f"{_LABELS[key]} >= 20 % below LRU", f"`{r.scenario}` (`{best}`; {where})",
-                             verdict_text(v.get(key)), ("met" if met else "not met") + tag])
+                             verdict_text(v.get(key)), _met(met, reps) + tag])
             thr = [(k, _rel(v.get(k)), (v.get(k) or {}).get("call")) for k in ("requests_per_s", "goodput_per_s")]
             met = any(c == "better" and x is not None and x >= 0.10 for _, x, c in thr)
             rows.append(["requests/s or goodput >= 10 % above LRU", f"`{r.scenario}` (`{best}`; {where})",
                          "; ".join(f"{k.removesuffix('_per_s')}: {verdict_text(v.get(k))}" for k, _, _ in thr),
-                         ("met" if met else "not met") + tag])
-            peers = [p for p in r.policies if p in PEERS]
+                         _met(met, reps) + tag])
+            # Only peers with runs: a peer the A/B has not reached yet is neither beaten nor ahead.
+            peers = [p for p in r.policies if p in PEERS and r.median(p, "ttft_p50_s") is not None]
             if peers:
                 against = [_against_peer(r, best, p) for p in peers]
+                runs = dict(zip(r.policies, r.runs_per_policy, strict=True))
+                few = min(runs[p] for p in (best, *peers)) < 2
                 rows.append(["ahead of every peer policy (TTFT p50 and p90)", f"`{r.scenario}` (`{best}`; {where})",
                              "; ".join(text for text, _ in against),
-                             ("ahead" if all(a for _, a in against) else "not ahead") + tag])
+                             ("ahead" if all(a for _, a in against) else
+                              "undecided: too few runs" if few else "not ahead") + tag])
         elif r.scenario == "ordinary_unique_cold":
             measured, call = _within_one_percent(r, best, v)
             rows.append(["within 1 % of LRU on every latency and throughput metric",

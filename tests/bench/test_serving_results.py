@@ -220,3 +220,41 @@ def test_why_ttft_p50_is_read_from_the_per_request_records(tmp_path: Path) -> No
         f.write_text(json.dumps(data))
     section = sr.render(root).split("### `long_conversation_return` on NVIDIA H200")[1].split("###")[0]
     assert "At least half of the requests miss reuse" in section
+
+
+def test_a_policy_not_run_yet_neither_lowers_the_repetitions_nor_counts_as_a_peer(tmp_path: Path) -> None:
+    """An A/B cut short after one run each of `lru` and the best policy, its peer not reached: the target rows
+    count the compared pair's repetitions (1, not 0), read "undecided: too few runs" (one run has no spread), and
+    no peer row is written until the peer has a run; with one run each, the peer row is undecided too."""
+    root = _copy_results(tmp_path)
+    f = root / sr.CPU_AB / "long_conversation_return" / "ab.json"
+    data = json.loads(f.read_text())
+    assert data["policies"] == ["lru", "shared_aware", "lfu"] and data["plan"]["repeat"] == 3
+    data["runs"] = [run for run in data["runs"] if run["repetition"] == 1 and run["policy"] != "lfu"]
+    for p in data["policies"]:
+        for s in data["by_policy"][p].values():
+            if p == "lfu":
+                s.update(values=[], median=None, min=None, max=None, spread=None)
+            else:
+                s.update(values=[s["median"]], min=s["median"], max=s["median"], spread=0.0)
+    for p in ("shared_aware", "lfu"):
+        for v in data["verdicts"][p].values():
+            v["call"] = "no spread (1 repetition)" if p == "shared_aware" else "n/a"
+    f.write_text(json.dumps(data))
+
+    def rows() -> list[list[str]]:
+        cpu = [r for r in sr.load(sr.CPU_AB, root) if r.scenario == "long_conversation_return"]
+        return sr.targets([], [], cpu)
+
+    got = rows()
+    assert [r[0] for r in got] == ["TTFT p50 >= 20 % below LRU", "TTFT p90 >= 20 % below LRU",
+                                   "requests/s or goodput >= 10 % above LRU"]
+    assert all("CPU, latency model, 1 repetition)" in r[1] for r in got)
+    assert all(r[3] == "undecided: too few runs (incomplete: 1 of 3 repetitions)" for r in got)
+    lfu_run = dict(data["runs"][0], policy="lfu", run_id="lfu-r1")
+    data["runs"].append(lfu_run)
+    for s in data["by_policy"]["lfu"].values():
+        s.update(values=[1.0], median=1.0, min=1.0, max=1.0, spread=0.0)
+    f.write_text(json.dumps(data))
+    peer = [r for r in rows() if r[0].startswith("ahead of every peer")]
+    assert len(peer) == 1 and peer[0][3].startswith("undecided: too few runs")
