@@ -64,8 +64,8 @@ def missed_reuse(runs: dict[str, list[list[dict[str, Any]]]], block_size: int) -
         for requests in policy_runs:
             for r in requests:
                 if r.get("ok"):
-                    k = _key(r)
-                    best[k] = min(best.get(k, _uncached(r)), _uncached(r))
+                    k, uncached = _key(r), _uncached(r)
+                    best[k] = min(best.get(k, uncached), uncached)
     out = []
     for policy, policy_runs in runs.items():
         ok = [r for requests in policy_runs for r in requests if r.get("ok")]

@@ -286,9 +286,11 @@ def _agreement_section(gpu: list[Result], cpu: list[Result]) -> list[str]:
 def _missed_reuse_section(r: Result) -> list[str]:
     """Which requests the A/B's policies change (:mod:`kvfabric.bench.missed_reuse`), and what that means for TTFT
     p50: empty when the folder keeps no per-request files, when LRU is not in it, or when no policy misses reuse."""
-    stats = missed_reuse_of_folder(r.root / r.path, r.data)
     best = _best(r)
-    if not stats or best is None or "lru" not in r.policies or not any(m.missed for m in stats):
+    if best is None or "lru" not in r.policies:
+        return []
+    stats = missed_reuse_of_folder(r.root / r.path, r.data)
+    if not stats or not any(m.missed for m in stats):
         return []
     by = {m.policy: m for m in stats}
     card = " + ".join(r.cards) or "GPU"
@@ -371,9 +373,9 @@ def _within_one_percent(r: Result, best: str, v: dict[str, Any]) -> tuple[str, s
             "undecided: the spread is wider than 1 %")
 
 
-def _met(met: bool, reps: int) -> str:
+def _met(met: bool, reps: int, yes: str = "met", no: str = "not met") -> str:
     """A target's verdict: one run of an arm has no spread, so nothing is called and the target is undecided."""
-    return "met" if met else "undecided: too few runs" if reps < 2 else "not met"
+    return yes if met else "undecided: too few runs" if reps < 2 else no
 
 
 def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ()) -> list[list[str]]:
@@ -387,8 +389,9 @@ def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ())
         if best is None:
             continue
         v = r.data["verdicts"][best]
+        runs = dict(zip(r.policies, r.runs_per_policy, strict=True))
         # The repetitions of the pair a row compares (a policy of the A/B not run yet does not lower them).
-        reps = min(n for p, n in zip(r.policies, r.runs_per_policy, strict=True) if p in ("lru", best))
+        reps = min(runs["lru"], runs[best])
         where = f"{card}, {reps} repetition{'s' if reps != 1 else ''}"
         # A verdict from fewer repetitions than planned says so: the targets ask for the full A/B.
         tag = "" if r.complete else f" (incomplete: {reps} of {r.data['plan']['repeat']} repetitions)"
@@ -407,12 +410,10 @@ def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ())
             peers = [p for p in r.policies if p in PEERS and r.median(p, "ttft_p50_s") is not None]
             if peers:
                 against = [_against_peer(r, best, p) for p in peers]
-                runs = dict(zip(r.policies, r.runs_per_policy, strict=True))
-                few = min(runs[p] for p in (best, *peers)) < 2
                 rows.append(["ahead of every peer policy (TTFT p50 and p90)", f"`{r.scenario}` (`{best}`; {where})",
                              "; ".join(text for text, _ in against),
-                             ("ahead" if all(a for _, a in against) else
-                              "undecided: too few runs" if few else "not ahead") + tag])
+                             _met(all(a for _, a in against), min(runs[p] for p in (best, *peers)),
+                                  "ahead", "not ahead") + tag])
         elif r.scenario == "ordinary_unique_cold":
             measured, call = _within_one_percent(r, best, v)
             rows.append(["within 1 % of LRU on every latency and throughput metric",
