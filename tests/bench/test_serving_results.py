@@ -129,7 +129,10 @@ def test_the_best_configuration_is_ours_and_is_judged_against_every_peer(tmp_pat
     f.write_text(json.dumps(committed))
     shift("lfu", "ttft_p90_s", +1.0)  # the peer's tail far behind, p50 as measured
     row = peer_row()
-    assert "p90 better" in row[2] and "p50 worse" not in row[2] and row[3] == "ahead"
+    assert "p90 better" in row[2] and "p50 worse" not in row[2]
+    # Ahead of the peers the A/B ran, and the verdict names those it did not run: "every peer" is not claimed.
+    absent = [p for p in sr.PEERS if p not in committed["policies"]]
+    assert absent and row[3] == "ahead of the peers run; not run: " + ", ".join(f"`{p}`" for p in absent)
 
 
 def test_within_one_percent_of_lru_is_decided_only_where_the_runs_can_resolve_it(tmp_path: Path) -> None:
