@@ -71,12 +71,14 @@ from kvfabric.bench.analytics import fetch_run, offline_run, read_events, split_
 from kvfabric.bench.report import build, json_line, print_table, write_report
 from kvfabric.bench.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario
 from kvfabric.bench.servers import (
+    HOLD_SUFFIX,
     PLACEHOLDERS,
     ArmSettings,
     ServerProcess,
     ServerSpecError,
     check_serve_cmd,
     serve_command,
+    split_arm,
 )
 from kvfabric.policies import POLICY_NAMES
 from kvfabric.usage import UsageError
@@ -108,6 +110,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "  kvfabric ab --scenario template_family_revisit --policies lru,adaptive_aging --repeat 3\n"
         "  kvfabric ab --scenario ordinary_unique_cold --out ab-cold --format json\n"
         "  kvfabric ab --scenario smoke --policies lru,adaptive_aging --capacities 300,450,600 --repeat 3\n"
+        "  kvfabric ab --scenario rag_document_revisit --policies lru,learned,learned+hold --repeat 3\n"
         "  kvfabric ab --scenario long_conversation_return --policies lru,shared_aware --time-limit 540 --out ab-lcr\n"
         "  kvfabric ab --resume --out ab-lcr --time-limit 540     (the arms left, in a later sitting)\n"
         "  kvfabric ab --scenario template_family_revisit --serve-cmd \"vllm serve /models/llama --load-format dummy "
@@ -117,7 +120,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", help="bundled scenario name or TOML file; several, comma-separated, run "
                                            "back to back against one collector (a report each, in DIR/<name>/)")
     parser.add_argument("--policies", default="lru,adaptive_aging",
-                        help="comma-separated policies; the first is the baseline (default: %(default)s)")
+                        help="comma-separated policies; the first is the baseline; POLICY+hold is the policy with "
+                             "cache-aware scheduling on (KVFABRIC_CACHE_AWARE_SCHEDULING=1; every other arm runs "
+                             "with it off) (default: %(default)s)")
     parser.add_argument("--repeat", type=positive_int, default=DEFAULT_REPEAT,
                         help="repetitions per arm; every repetition runs every arm once, in the same order "
                              "(ABAB...) (default: %(default)s)")
@@ -229,9 +234,10 @@ def _validate(args: argparse.Namespace) -> tuple[list[Scenario], list[str], list
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if len(policies) < 1 or len(set(policies)) != len(policies):
         raise ScenarioError("--policies needs distinct names, e.g. lru,adaptive_aging")
-    unknown = [p for p in policies if p not in POLICY_NAMES]
+    unknown = [p for p in policies if split_arm(p)[0] not in POLICY_NAMES]
     if unknown:
-        raise ScenarioError(f"unknown policy {', '.join(unknown)} (known: {', '.join(POLICY_NAMES)})")
+        raise ScenarioError(f"unknown policy {', '.join(unknown)} (known: {', '.join(POLICY_NAMES)}; "
+                            f"POLICY{HOLD_SUFFIX} adds cache-aware scheduling)")
     if args.repeat < 1:
         raise ScenarioError("--repeat must be >= 1")
     if args.prestart < 0:

@@ -7,8 +7,12 @@ ready when ``/v1/models`` answers 200. Two kinds:
 * ``sim-serve`` (default): ``python -m kvfabric.cli sim-serve`` with the scenario's model shape and capacity;
 * ``--serve-cmd``: any command line (a real ``vllm serve``) with placeholders filled in: ``{port}``, ``{policy}``,
   ``{run_id}``, ``{socket}``, ``{kv_blocks}``, ``{block_size}``, ``{max_model_len}``, ``{model}``. The KVFabric
-  settings also go into its environment (``KVFABRIC_EVICTION_POLICY``, ``KVFABRIC_LIFECYCLE=1``,
-  ``KVFABRIC_SINK``, ``KVFABRIC_RUN_ID``), so a plain ``vllm serve`` loads the plugin configured for the arm.
+  settings also go into its environment (``KVFABRIC_EVICTION_POLICY``, ``KVFABRIC_CACHE_AWARE_SCHEDULING``,
+  ``KVFABRIC_LIFECYCLE=1``, ``KVFABRIC_SINK``, ``KVFABRIC_RUN_ID``), so a plain ``vllm serve`` loads the plugin
+  configured for the arm.
+
+An arm is named by its configuration: an eviction policy, or ``POLICY+hold`` for the policy with cache-aware
+scheduling on (:mod:`kvfabric.engine.steering.hold`); see :func:`split_arm`.
 """
 
 from __future__ import annotations
@@ -25,9 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-__all__ = ["ServerProcess", "ServerSpecError", "process_tree", "serve_command"]
+__all__ = ["HOLD_SUFFIX", "ServerProcess", "ServerSpecError", "process_tree", "serve_command", "split_arm"]
 
 PLACEHOLDERS = ("port", "policy", "run_id", "socket", "kv_blocks", "block_size", "max_model_len", "model")
+HOLD_SUFFIX = "+hold"
+
+
+def split_arm(name: str) -> tuple[str, bool]:
+    """An arm's configuration from its name: (eviction policy, cache-aware scheduling on). ``POLICY+hold`` turns the
+    hold on; any other name is the policy alone, hold off. The policy is not checked here (callers know the list)."""
+    if name.endswith(HOLD_SUFFIX):
+        return name[: -len(HOLD_SUFFIX)], True
+    return name, False
 
 
 class ServerSpecError(ValueError):
@@ -39,7 +52,7 @@ class ArmSettings:
     """What one A/B arm's server must be told."""
 
     port: int
-    policy: str
+    policy: str  # the arm's name: a policy, or POLICY+hold (split_arm)
     run_id: str
     socket: str
     kv_blocks: int
@@ -49,9 +62,16 @@ class ArmSettings:
     latency_scale: float = 1.0
     host: str = "127.0.0.1"
 
+    @property
+    def eviction_policy(self) -> str:
+        return split_arm(self.policy)[0]
+
     def kvfabric_env(self) -> dict[str, str]:
+        """Every KVFabric setting an arm differs by, set both ways (an arm never inherits the hold from the
+        environment ``kvfabric ab`` runs in)."""
         return {
-            "KVFABRIC_EVICTION_POLICY": self.policy,
+            "KVFABRIC_EVICTION_POLICY": self.eviction_policy,
+            "KVFABRIC_CACHE_AWARE_SCHEDULING": "1" if split_arm(self.policy)[1] else "0",
             "KVFABRIC_LIFECYCLE": "1",
             "KVFABRIC_SINK": f"unix://{self.socket}",
             "KVFABRIC_RUN_ID": self.run_id,
@@ -64,11 +84,12 @@ def serve_command(arm: ArmSettings, serve_cmd: str | None) -> list[str]:
         return [
             sys.executable, "-m", "kvfabric.cli", "sim-serve",
             "--model", arm.model, "--kv-blocks", str(arm.kv_blocks), "--block-size", str(arm.block_size),
-            "--max-model-len", str(arm.max_model_len), "--policy", arm.policy, "--collector-socket", arm.socket,
-            "--run-id", arm.run_id, "--host", arm.host, "--port", str(arm.port),
+            "--max-model-len", str(arm.max_model_len), "--policy", arm.eviction_policy,
+            "--collector-socket", arm.socket, "--run-id", arm.run_id, "--host", arm.host, "--port", str(arm.port),
             "--latency-scale", repr(arm.latency_scale),
         ]
-    values = {k: str(getattr(arm, k)) for k in PLACEHOLDERS}
+    # {policy} is the eviction policy alone: it goes where a policy name goes (the hold travels in the environment).
+    values = {k: str(getattr(arm, k)) for k in PLACEHOLDERS} | {"policy": arm.eviction_policy}
     try:
         text = serve_cmd.format(**values)
     except (KeyError, IndexError, ValueError) as exc:

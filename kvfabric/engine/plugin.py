@@ -114,8 +114,11 @@ def describe(installation: Any, settings: HookSettings) -> str:
     meta = installation.metadata
     recording = "recording on" if settings.lifecycle else "recording off (KVFABRIC_LIFECYCLE unset)"
     sink = settings.sink if settings.lifecycle else "none"
+    # The hold is named only where it attached (it needs the scheduler), not where it was merely asked for.
+    hold = getattr(getattr(installation, "steering", None), "hold", None)
+    scheduling = ", cache-aware scheduling on" if hold is not None else ""
     return (f"KVFabric {version} on engine {meta[S.META_ENGINE]} (run {meta[S.META_RUN_ID]}): {recording}, "
-            f"policy {installation.policy}, sink {sink}, {collector_answer(settings)}")
+            f"policy {installation.policy}{scheduling}, sink {sink}, {collector_answer(settings)}")
 
 
 def announce(installation: Any, settings: HookSettings) -> str:

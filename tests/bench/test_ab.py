@@ -92,6 +92,8 @@ def test_ab_runs_fresh_servers_and_reports(tmp_path: Path, capsys: pytest.Captur
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     for k in [k for k in os.environ if k.startswith("KVFABRIC_")]:
         monkeypatch.delenv(k)
+    # An arm runs with exactly its own configuration: a hold exported here does not reach a plain policy's arm.
+    monkeypatch.setenv("KVFABRIC_CACHE_AWARE_SCHEDULING", "1")
     scenario = tmp_path / "tiny.toml"
     scenario.write_text(SCENARIO)
     out = tmp_path / "ab"
@@ -115,6 +117,9 @@ def test_ab_runs_fresh_servers_and_reports(tmp_path: Path, capsys: pytest.Captur
         m = line["policies"][policy]
         assert m["client_cached_tokens"]["median"] == m["collector_hit_tokens"]["median"] > 0
     assert line["agreement"]["relative_difference"] == 0
+    logs = sorted((out / "logs").glob("*.server.log"))
+    assert len(logs) == 2 and all("recording on, policy" in log.read_text() for log in logs)
+    assert not any("cache-aware scheduling on" in log.read_text() for log in logs)
 
     report = (out / "report.md").read_text()
     assert "# A/B report: `tiny_revisit`" in report and "no spread (1 repetition)" in report
@@ -139,7 +144,8 @@ def test_ab_runs_fresh_servers_and_reports(tmp_path: Path, capsys: pytest.Captur
 def test_ab_drives_any_server_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """``--serve-cmd``, the way a real ``vllm serve`` is driven: the arm's settings reach the server through the
-    placeholders and the KVFABRIC_* environment only (sim-serve stands in, given no KVFabric options)."""
+    placeholders and the KVFABRIC_* environment only (sim-serve stands in, given no KVFabric options); an arm named
+    ``POLICY+hold`` runs the policy with cache-aware scheduling on."""
     for k in [k for k in os.environ if k.startswith("KVFABRIC_")]:
         monkeypatch.delenv(k)
     scenario = tmp_path / "tiny.toml"
@@ -147,19 +153,25 @@ def test_ab_drives_any_server_command(tmp_path: Path, capsys: pytest.CaptureFixt
     serve = (f"{sys.executable} -m kvfabric.cli sim-serve --model qwen2-0.5b --kv-blocks {{kv_blocks}} "
              "--max-model-len {max_model_len} --latency-scale 0 --port {port}")
     out = tmp_path / "ab"
-    rc = cli_main(["ab", "--scenario", str(scenario), "--policies", "adaptive_aging", "--repeat", "1",
+    serve += " --served-model-name {policy}"  # the placeholder is the eviction policy alone
+    rc = cli_main(["ab", "--scenario", str(scenario), "--policies", "adaptive_aging+hold", "--repeat", "1",
                    "--serve-cmd", serve, "--out", str(out), "--format", "json", "--no-progress"])
     assert rc == 0
     line = _json_line(capsys.readouterr().out)
     plan = json.loads((out / "plan.json").read_text())
     [arm] = plan["arms"]
-    assert "--kv-blocks 400" in " ".join(arm["argv"]) and "--max-model-len 2048" in " ".join(arm["argv"])
+    argv = " ".join(arm["argv"])
+    assert "--kv-blocks 400" in argv and "--max-model-len 2048" in argv and "--served-model-name adaptive_aging" in argv
     ab = json.loads((out / "ab.json").read_text())
     [run] = ab["runs"]
-    assert run["policy"] == "adaptive_aging" and line["policies"]["adaptive_aging"]["collector_hit_tokens"]["median"]
+    assert run["policy"] == "adaptive_aging+hold"
+    assert line["policies"]["adaptive_aging+hold"]["collector_hit_tokens"]["median"]
     summary = json.loads((out / "runs" / f"{arm['run_id']}.collector.json").read_text())["summary"]
     assert summary["policies"] == ["adaptive_aging"]  # KVFABRIC_EVICTION_POLICY reached the hook
     assert summary["requests"] == 36
+    # KVFABRIC_CACHE_AWARE_SCHEDULING=1 reached the hook, and the hold attached to vLLM's scheduler.
+    log = (out / "logs" / f"{arm['run_id']}.server.log").read_text()
+    assert "policy adaptive_aging, cache-aware scheduling on, sink unix://" in log
 
 
 def test_ab_refuses_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -167,6 +179,8 @@ def test_ab_refuses_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert "no scenario 'nope'" in capsys.readouterr().err
     assert cli_main(["ab", "--scenario", "smoke", "--policies", "lru,bogus"]) == 2
     assert "unknown policy bogus" in capsys.readouterr().err
+    assert cli_main(["ab", "--scenario", "smoke", "--policies", "lru,bogus+hold"]) == 2
+    assert "unknown policy bogus+hold" in capsys.readouterr().err
     assert cli_main(["ab", "--scenario", "smoke", "--serve-cmd", "vllm serve --port {prot}"]) == 2
     assert "placeholder" in capsys.readouterr().err
     assert cli_main(["ab", "--report-only", "--out", str(tmp_path)]) == 2

@@ -269,6 +269,11 @@ def test_the_line_says_what_is_on_and_whether_a_collector_answers(tmp_path: Path
     steering = load_hook_settings({"KVFABRIC_EVICTION_POLICY": "adaptive_aging"})
     assert "recording off (KVFABRIC_LIFECYCLE unset)" in plugin.describe(
         SimpleNamespace(metadata=inst.metadata, policy="adaptive_aging"), steering)
+    held = SimpleNamespace(metadata=inst.metadata, policy="lru", steering=SimpleNamespace(hold=object()))
+    assert ": recording off (KVFABRIC_LIFECYCLE unset), policy lru, cache-aware scheduling on, sink none" in \
+        plugin.describe(held, steering)
+    assert "cache-aware" not in plugin.describe(SimpleNamespace(**{**vars(held), "steering": SimpleNamespace(
+        hold=None)}), steering)
     caplog.clear()
     with caplog.at_level("INFO", logger="vllm.kvfabric"):
         plugin.announce(None, settings)
