@@ -31,6 +31,7 @@ from typing import Any
 from kvfabric.argtypes import HelpFormatter
 from kvfabric.bench.missed_reuse import missed_reuse_of_folder
 from kvfabric.bench.report import COMPONENT, HEADLINE, NO_CALL, fmt, verdict
+from kvfabric.bench.servers import split_arm
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("benchmarks/results")
@@ -460,7 +461,8 @@ def render(root: Path = ROOT) -> str:
               "`kvfabric sim-serve`: vLLM's real server, scheduler and KV cache manager on CPU, each step's forward "
               "pass timed by the model fitted to H200 measurements (`kvfabric/sim/latency.py`).", ""]
         for r in cpu_ab:
-            w += _ab_section(r, "CPU")
+            held = any(split_arm(x)[1] for x in r.policies)
+            w += _ab_section(r, "CPU, with cache-aware scheduling" if held else "CPU")
     w += _missed_reuse_part(gpu)
     agreement = _agreement_section(gpu, cpu_ab)
     if agreement:

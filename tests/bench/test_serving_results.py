@@ -110,7 +110,7 @@ def test_the_best_configuration_is_ours_and_is_judged_against_every_peer(tmp_pat
     assert {"lru", "shared_aware", "lfu"} <= set(committed["policies"])
 
     def peer_row() -> list[str]:
-        cpu = [r for r in sr.load(sr.CPU_AB, root) if r.scenario == "long_conversation_return"]
+        cpu = [r for r in sr.load(sr.CPU_AB, root) if r.path.name == "long_conversation_return"]
         rows = [row for row in sr.targets([], [], cpu) if row[0].startswith("ahead of every peer")]
         assert len(rows) == 1
         return rows[0]
@@ -261,3 +261,19 @@ def test_a_policy_not_run_yet_neither_lowers_the_repetitions_nor_counts_as_a_pee
     f.write_text(json.dumps(data))
     peer = [r for r in rows() if r[0].startswith("ahead of every peer")]
     assert len(peer) == 1 and peer[0][3].startswith("undecided: too few runs")
+
+
+def test_an_arm_with_the_hold_is_ours_and_its_section_says_so(tmp_path: Path) -> None:
+    """``POLICY+hold`` is a KVFabric configuration even on a peer's policy: it can be the best configuration, and
+    only the plain peers are judged against it; the section names cache-aware scheduling."""
+    root = _copy_results(tmp_path)
+    f = root / sr.CPU_AB / "long_conversation_return" / "ab.json"
+    f.write_text(f.read_text().replace('"shared_aware"', '"lfu+hold"'))
+    [r] = [r for r in sr.load(sr.CPU_AB, root) if r.path.name == "long_conversation_return"]
+    assert "lfu+hold" in r.policies and "lfu" in r.policies
+    rows = sr.targets([], [], [r])
+    assert rows and all("(`lfu+hold`;" in row[1] for row in rows)
+    [peer] = [row for row in rows if row[0].startswith("ahead of every peer")]
+    assert "vs `lfu`:" in peer[2] and "vs `lfu+hold`" not in peer[2]
+    page = sr.render(root)
+    assert "### CPU, with cache-aware scheduling: `long_conversation_return`" in page
