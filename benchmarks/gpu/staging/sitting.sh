@@ -10,6 +10,7 @@
 # for the report, the copy and the tar. Nothing is started with less than 150 s left.
 # Example, the last staging command followed by the first sitting:
 #   export T0=$(date +%s) BUDGET=588; bash .gpu/tools/dev.sh deps && bash .gpu/tools/dev.sh vllm && \
+#     bash .gpu/tools/dev.sh kvfabric && bash .gpu/tools/dev.sh check && \
 #     SCENARIOS=long_conversation_return POLICIES=lru,shared_aware REPEAT=5 NAME=lcr OUT=$OUT \
 #     bash benchmarks/gpu/staging/sitting.sh
 # and each later one:  export T0=$(date +%s) BUDGET=590; RESUME=/tmp/keep/lcr NAME=lcr OUT=$OUT bash ...sitting.sh

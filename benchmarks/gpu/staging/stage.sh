@@ -77,5 +77,5 @@ last=$(ls -d "$G"/c* | sort -V | tail -1); last=$(basename "$last")
 echo "commands on the GPU machine, back to back (it is released 30 s after a command ends);"
 echo "each command brings along .gpu/tools and .gpu/cK:"
 for d in $(ls -d "$G"/c* | sort -V); do k=$(basename "$d"); [ "$k" = "$last" ] && break; echo "  bash .gpu/tools/dev.sh copy .gpu/$k"; done
-echo "  last: bash .gpu/tools/dev.sh copy .gpu/$last && bash .gpu/tools/dev.sh deps && bash .gpu/tools/dev.sh vllm && bash .gpu/tools/dev.sh check"
+echo "  last: bash .gpu/tools/dev.sh copy .gpu/$last && bash .gpu/tools/dev.sh deps && bash .gpu/tools/dev.sh vllm && bash .gpu/tools/dev.sh kvfabric && bash .gpu/tools/dev.sh check"
 echo "then (same warm machine): export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0"
