@@ -393,7 +393,8 @@ def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ())
         runs = dict(zip(r.policies, r.runs_per_policy, strict=True))
         # The repetitions of the pair a row compares (a policy of the A/B not run yet does not lower them).
         reps = min(runs["lru"], runs[best])
-        where = f"{card}, {reps} repetition{'s' if reps != 1 else ''}"
+        # The folder tells apart two A/Bs of one scenario on the same kind of machine.
+        where = f"{card}, {reps} repetition{'s' if reps != 1 else ''}, `{r.path.name}/`"
         # A verdict from fewer repetitions than planned says so: the targets ask for the full A/B.
         tag = "" if r.complete else f" (incomplete: {reps} of {r.data['plan']['repeat']} repetitions)"
         if r.scenario in LONG_CONTEXT:

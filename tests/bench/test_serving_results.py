@@ -246,13 +246,13 @@ def test_a_policy_not_run_yet_neither_lowers_the_repetitions_nor_counts_as_a_pee
     f.write_text(json.dumps(data))
 
     def rows() -> list[list[str]]:
-        cpu = [r for r in sr.load(sr.CPU_AB, root) if r.scenario == "long_conversation_return"]
+        cpu = [r for r in sr.load(sr.CPU_AB, root) if r.path.name == "long_conversation_return"]
         return sr.targets([], [], cpu)
 
     got = rows()
     assert [r[0] for r in got] == ["TTFT p50 >= 20 % below LRU", "TTFT p90 >= 20 % below LRU",
                                    "requests/s or goodput >= 10 % above LRU"]
-    assert all("CPU, latency model, 1 repetition)" in r[1] for r in got)
+    assert all("CPU, latency model, 1 repetition, `long_conversation_return/`)" in r[1] for r in got)
     assert all(r[3] == "undecided: too few runs (incomplete: 1 of 3 repetitions)" for r in got)
     lfu_run = dict(data["runs"][0], policy="lfu", run_id="lfu-r1")
     data["runs"].append(lfu_run)
