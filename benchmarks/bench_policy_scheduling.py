@@ -74,7 +74,7 @@ def run(items: list[tuple], cache_aware: bool, threshold: int) -> dict[str, Any]
         "ttft_p99_s": s["ttft_p99_s"],
         "makespan_s": s["sim_time_s"],
         "requests": s["requests"],
-        "held_requests": len(hold.held_requests) if hold is not None else 0,
+        "held_requests": hold.held_requests if hold is not None else 0,
         "held_steps": hold.held_steps if hold is not None else 0,
         "scheduler_cpu_s": s["wall_s"],
     }

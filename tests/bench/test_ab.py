@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,7 @@ def test_ab_drives_any_server_command(tmp_path: Path, capsys: pytest.CaptureFixt
     # KVFABRIC_CACHE_AWARE_SCHEDULING=1 reached the hook, and the hold attached to vLLM's scheduler.
     log = (out / "logs" / f"{arm['run_id']}.server.log").read_text()
     assert "policy adaptive_aging, cache-aware scheduling on, sink unix://" in log
+    assert re.search(r"KVFabric cache-aware scheduling held [\d,]+ request\(s\) for [\d,]+ scheduler step", log)
 
 
 def test_ab_refuses_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

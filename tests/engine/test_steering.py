@@ -410,10 +410,12 @@ def test_descendants_before_ancestors_even_with_adversarial_keys(ops: list[tuple
 
 
 @pytest.mark.parametrize("cache_aware", [False, True])
-def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache_aware: bool) -> None:
+def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache_aware: bool,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
     """Two requests of one family arrive together; prefills are interleaved (per-request chunk cap).
 
-    Without the hold the second computes the shared prefix alongside the first; with it, it waits and hits it.
+    Without the hold the second computes the shared prefix alongside the first; with it, it waits and hits it, and
+    vLLM's shutdown of the scheduler logs, once, how many requests were held.
     """
     from kvfabric.engine.config import HookSettings
     from kvfabric.engine.install import install
@@ -432,9 +434,16 @@ def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache
     assert engine.metrics["c"].num_cached_tokens == 0
     if cache_aware:
         steering = scheduler.kv_cache_manager.block_pool._kvfabric_steering
-        assert steering.hold is not None and steering.hold.held_requests == {"b"}
+        hold = steering.hold
+        assert hold is not None and hold.held_requests == 1 and hold.held_steps >= 1 and not hold._holding
         assert hit_b == 2048  # the whole shared prefix, sealed by "a" first
         assert engine.metrics["c"].first_token_s is not None  # an unrelated request is never held
+        with caplog.at_level("INFO", logger="vllm.kvfabric"):
+            scheduler.shutdown()
+            hold.report()  # (at exit: already said)
+        said = [r.getMessage() for r in caplog.records if r.name == "vllm.kvfabric"]
+        assert said == [f"KVFabric cache-aware scheduling held 1 request(s) for {hold.held_steps:,} scheduler "
+                        "step(s)"]
     else:
         assert hit_b < 2048
 

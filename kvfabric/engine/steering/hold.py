@@ -4,15 +4,21 @@ sealed the shared blocks, so it hits them instead of computing them a second tim
 
 Runs on vLLM's scheduler thread, inside ``Scheduler._handle_blocked_waiting_request`` (an instance attribute wraps
 it); the hold owns only its counters. A failure turns the hold off (logged once); vLLM's own answer then stands.
+When the engine process exits, one line in vLLM's log says how many requests it held (an operator who turned it on
+learns whether the traffic ever gave it anything to do).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 from typing import Any
 
 log = logging.getLogger("kvfabric.engine")
+summary_log = logging.getLogger("vllm.kvfabric")  # vLLM's handler: shown at vLLM's default level
+# Ids of requests held now; past this many, ids of requests the scheduler no longer knows (aborted while held) go.
+HOLDING_PRUNE_AT = 4096
 
 
 class CacheAwareHold:
@@ -31,8 +37,10 @@ class CacheAwareHold:
         self.pool = pool
         self.block_size = block_size
         self.held_steps = 0  # (request, step) pairs held
-        self.held_requests: set[str] = set()
+        self.held_requests = 0  # distinct requests held at least once (a request held again after release counts again)
+        self._holding: set[str] = set()  # requests held at their last look, released ones removed
         self.errors = 0
+        self._reported = False
         self._managers = self._single_type_managers(scheduler)
 
     @staticmethod
@@ -78,8 +86,13 @@ class CacheAwareHold:
             try:
                 if self.should_hold(request):
                     self.held_steps += 1
-                    self.held_requests.add(request.request_id)
+                    if request.request_id not in self._holding:
+                        self.held_requests += 1
+                        self._holding.add(request.request_id)
+                        if len(self._holding) > HOLDING_PRUNE_AT:
+                            self._holding &= set(getattr(self.scheduler, "requests", {}) or ())
                     return False
+                self._holding.discard(request.request_id)
             except Exception:
                 self.errors += 1
                 if self.errors == 1:
@@ -87,3 +100,30 @@ class CacheAwareHold:
             return True
 
         self.scheduler._handle_blocked_waiting_request = kvfabric_handle_blocked_waiting_request
+        # The line is written when vLLM shuts the scheduler down: vLLM's EngineCore is a child process that leaves
+        # by os._exit (and may be killed during its teardown), so atexit alone would run only where the scheduler
+        # lives in the main process (kvfabric replay), where it stands in for a shutdown nobody calls.
+        shutdown = getattr(self.scheduler, "shutdown", None)
+        if callable(shutdown):
+            @functools.wraps(shutdown)
+            def kvfabric_shutdown(*args: Any, **kwargs: Any) -> Any:
+                self.report()
+                return shutdown(*args, **kwargs)
+
+            self.scheduler.shutdown = kvfabric_shutdown
+        atexit.register(self.report)
+
+    def summary(self) -> str:
+        return (f"KVFabric cache-aware scheduling held {self.held_requests:,} request(s) for "
+                f"{self.held_steps:,} scheduler step(s)"
+                + (f"; {self.errors:,} look(s) failed and let their request through" if self.errors else ""))
+
+    def report(self) -> None:
+        """Log :meth:`summary` (at exit), once. Never raises."""
+        if self._reported:
+            return
+        self._reported = True
+        try:
+            summary_log.info("%s", self.summary())
+        except Exception:  # (logging torn down at exit: nothing to tell it to)
+            pass
