@@ -77,6 +77,7 @@ from kvfabric.bench.servers import (
     ServerProcess,
     ServerSpecError,
     check_serve_cmd,
+    hold_summary,
     serve_command,
     split_arm,
 )
@@ -614,6 +615,8 @@ def run_arms(args: argparse.Namespace, scenarios: list[Scenario], policies: list
                 "collector_db": os.path.relpath(db, arm.out), "sitting": len(plans[sc.name]["sittings"]),
                 "warmup": warm, "servers_starting_during_run": len(ahead),
                 "processes": [{**p, "cmdline": _portable(str(p["cmdline"]))} for p in processes],
+                # (read once the server has stopped: the hold writes its line when vLLM shuts the scheduler down)
+                "hold": hold_summary(server.log_path) if split_arm(arm.policy)[1] else None,
             })
             plans[sc.name]["sittings"][-1]["arms"].append(arm.run_id)
             # Written after every arm: if the whole run is cut short (a time limit), --report-only still reports

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvfabric.bench.analytics import request_join
 from kvfabric.bench.kv_saved import kv_saved
+from kvfabric.bench.servers import split_arm
 from kvfabric.bench.stats import median, percentile, primary_runs, spread
 
 __all__ = ["COMPONENT", "HEADLINE", "build", "client_metrics", "json_line", "print_table", "verdict",
@@ -250,6 +251,7 @@ def build(out: Path, ttft_slo_ms: float | None = None) -> dict[str, Any]:
             "sink_dropped_events": coll["summary"].get("sink_dropped_events", 0),
             "sequence_gaps": coll["summary"].get("sequence_gaps", 0),
             "cpu_s": _cpu_by_role(arm.get("processes") or []),
+            "hold": arm.get("hold"),
         })
     capacities: list[int] | None = plan.get("capacities")
     primary = None
@@ -488,6 +490,23 @@ def _gain_text(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _hold_text(result: dict[str, Any]) -> list[str]:
+    """What cache-aware scheduling held in each ``POLICY+hold`` arm's runs (from the servers' logs); nothing when
+    no arm has the hold."""
+    held = [p for p in result["policies"] if split_arm(p)[1]]
+    if not held:
+        return []
+
+    def runs_text(policy: str) -> str:
+        cells = [("no line in the server log" if r.get("hold") is None else
+                  f"{r['hold']['requests']:,} ({r['hold']['steps']:,} steps)")
+                 for r in result["runs"] if r["policy"] == policy]
+        return f"`{policy}` " + (", ".join(cells) if cells else "no runs")
+
+    return ["Cache-aware scheduling (`POLICY+hold` arms): requests held per run, from each server's log: "
+            + "; ".join(runs_text(p) for p in held) + ".", ""]
+
+
 def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
     plan = result["plan"]
     sc = plan["scenario"]
@@ -550,6 +569,7 @@ def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
     else:
         w.append("No warm-up (`--warmup 0`).")
     w.append("")
+    w.extend(_hold_text(result))
     slo = result["ttft_slo_ms"]
     if slo is None:
         w.append("Goodput: omitted, no TTFT SLO stated (scenario key `ttft_slo_ms` or `--ttft-slo-ms`).")

@@ -18,6 +18,7 @@ scheduling on (:mod:`kvfabric.engine.steering.hold`); see :func:`split_arm`.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -29,10 +30,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-__all__ = ["HOLD_SUFFIX", "ServerProcess", "ServerSpecError", "process_tree", "serve_command", "split_arm"]
+__all__ = ["HOLD_SUFFIX", "ServerProcess", "ServerSpecError", "hold_summary", "process_tree", "serve_command",
+           "split_arm"]
 
 PLACEHOLDERS = ("port", "policy", "run_id", "socket", "kv_blocks", "block_size", "max_model_len", "model")
 HOLD_SUFFIX = "+hold"
+
+
+# The line the hold writes to vLLM's log when vLLM shuts the scheduler down (kvfabric.engine.steering.hold).
+HOLD_LINE = re.compile(r"KVFabric cache-aware scheduling held ([\d,]+) request\(s\) for ([\d,]+) scheduler step")
+
+
+def hold_summary(log_path: str | Path | None) -> dict[str, int] | None:
+    """What cache-aware scheduling held in one server's life, from its log: ``{"requests", "steps"}``, or None
+    when the log has no such line (no hold attached, or the engine died before vLLM shut its scheduler down)."""
+    if log_path is None:
+        return None
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return None
+    found = HOLD_LINE.findall(text)
+    if not found:
+        return None
+    requests, steps = found[-1]
+    return {"requests": int(requests.replace(",", "")), "steps": int(steps.replace(",", ""))}
 
 
 def split_arm(name: str) -> tuple[str, bool]:

@@ -174,6 +174,22 @@ def test_ab_drives_any_server_command(tmp_path: Path, capsys: pytest.CaptureFixt
     log = (out / "logs" / f"{arm['run_id']}.server.log").read_text()
     assert "policy adaptive_aging, cache-aware scheduling on, sink unix://" in log
     assert re.search(r"KVFabric cache-aware scheduling held [\d,]+ request\(s\) for [\d,]+ scheduler step", log)
+    # ... which the plan keeps per arm and the report shows.
+    assert set(arm["hold"]) == {"requests", "steps"} and arm["hold"]["requests"] <= arm["hold"]["steps"]
+    assert (f"requests held per run, from each server's log: `adaptive_aging+hold` {arm['hold']['requests']:,} "
+            in (out / "report.md").read_text())
+
+
+def test_the_hold_line_is_read_from_a_server_log(tmp_path: Path) -> None:
+    from kvfabric.bench.servers import hold_summary
+
+    log = tmp_path / "s.log"
+    assert hold_summary(None) is None and hold_summary(log) is None  # no log at all
+    log.write_text("INFO KVFabric 0.1.0 on engine h/dp0 (run x): recording on, policy lru, cache-aware scheduling on\n")
+    assert hold_summary(log) is None  # the hold attached, the engine died before the scheduler's shutdown
+    log.write_text(log.read_text() + "(EngineCore pid=1) INFO [hold.py:127] KVFabric cache-aware scheduling held "
+                   "1,234 request(s) for 56,789 scheduler step(s)\n")
+    assert hold_summary(log) == {"requests": 1234, "steps": 56789}
 
 
 def test_ab_refuses_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
