@@ -251,7 +251,7 @@ def build(out: Path, ttft_slo_ms: float | None = None) -> dict[str, Any]:
             "sink_dropped_events": coll["summary"].get("sink_dropped_events", 0),
             "sequence_gaps": coll["summary"].get("sequence_gaps", 0),
             "cpu_s": _cpu_by_role(arm.get("processes") or []),
-            "hold": arm.get("hold"),
+            **({"hold": arm["hold"]} if "hold" in arm else {}),  # (absent: an A/B from before it was kept)
         })
     capacities: list[int] | None = plan.get("capacities")
     primary = None
@@ -490,7 +490,7 @@ def _gain_text(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _hold_text(result: dict[str, Any]) -> list[str]:
+def hold_text(result: dict[str, Any]) -> list[str]:
     """What cache-aware scheduling held in each ``POLICY+hold`` arm's runs (from the servers' logs); nothing when
     no arm has the hold."""
     held = [p for p in result["policies"] if split_arm(p)[1]]
@@ -498,7 +498,7 @@ def _hold_text(result: dict[str, Any]) -> list[str]:
         return []
 
     def runs_text(policy: str) -> str:
-        cells = [("no line in the server log" if r.get("hold") is None else
+        cells = [("not recorded" if "hold" not in r else "no line in the server log" if r["hold"] is None else
                   f"{r['hold']['requests']:,} ({r['hold']['steps']:,} steps)")
                  for r in result["runs"] if r["policy"] == policy]
         return f"`{policy}` " + (", ".join(cells) if cells else "no runs")
@@ -569,7 +569,7 @@ def render_markdown(result: dict[str, Any], plots: dict[str, str]) -> str:
     else:
         w.append("No warm-up (`--warmup 0`).")
     w.append("")
-    w.extend(_hold_text(result))
+    w.extend(hold_text(result))
     slo = result["ttft_slo_ms"]
     if slo is None:
         w.append("Goodput: omitted, no TTFT SLO stated (scenario key `ttft_slo_ms` or `--ttft-slo-ms`).")

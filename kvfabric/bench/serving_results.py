@@ -30,7 +30,7 @@ from typing import Any
 
 from kvfabric.argtypes import HelpFormatter
 from kvfabric.bench.missed_reuse import missed_reuse_of_folder
-from kvfabric.bench.report import COMPONENT, HEADLINE, NO_CALL, fmt, verdict
+from kvfabric.bench.report import COMPONENT, HEADLINE, NO_CALL, fmt, hold_text, verdict
 from kvfabric.bench.servers import split_arm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,6 +178,7 @@ def _ab_section(r: Result, title: str) -> list[str]:
     sittings = plan.get("sittings") or []
     if len(sittings) > 1:
         out += [f"Ran in {len(sittings)} sittings (`kvfabric ab --resume`).", ""]
+    out += hold_text(d)
     if any(run.get("warmup_in_collector") for run in d["runs"]):
         out += ["The collector's numbers (hit rate, rebuilt, wasted prefill) include the warm-up of 8 requests "
                 "shorter than one block (its collector file was gone before the warm-up could be split off); the "

@@ -277,3 +277,11 @@ def test_an_arm_with_the_hold_is_ours_and_its_section_says_so(tmp_path: Path) ->
     assert "vs `lfu`:" in peer[2] and "vs `lfu+hold`" not in peer[2]
     page = sr.render(root)
     assert "### CPU, with cache-aware scheduling: `long_conversation_return`" in page
+    # What the hold held, per run, as the plan kept it from the servers' logs ("not recorded" where it did not).
+    assert "from each server's log: `lfu+hold` not recorded, not recorded, not recorded." in page
+    data = json.loads(f.read_text())
+    held = [run for run in data["runs"] if run["policy"] == "lfu+hold"]
+    held[0]["hold"], held[1]["hold"] = {"requests": 3, "steps": 1234}, None
+    f.write_text(json.dumps(data))
+    assert ("from each server's log: `lfu+hold` 3 (1,234 steps), no line in the server log, not recorded."
+            in sr.render(root))
