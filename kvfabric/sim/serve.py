@@ -120,6 +120,10 @@ def build_vllm_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
         "--max-model-len", str(args.max_model_len),
         "--host", args.host,
         "--port", str(args.port),
+        # vLLM's default (0) kills the EngineCore the moment the server stops, often before the engine has shut its
+        # scheduler down: KVFabric's last line (what cache-aware scheduling held) would then be lost. An idle engine
+        # still exits at once; one with requests in flight gets up to 5 s.
+        "--shutdown-timeout", "5",
         *extra,
     ]
 
