@@ -3,9 +3,10 @@ block is being prefilled right now by a running request is held back (skipped fo
 sealed the shared blocks, so it hits them instead of computing them a second time.
 
 Runs on vLLM's scheduler thread, inside ``Scheduler._handle_blocked_waiting_request`` (an instance attribute wraps
-it); the hold owns only its counters. A failure turns the hold off (logged once); vLLM's own answer then stands.
-When the engine process exits, one line in vLLM's log says how many requests it held (an operator who turned it on
-learns whether the traffic ever gave it anything to do).
+it); the hold owns only its counters. A look that fails lets its request through (vLLM's own answer stands; the
+first failure is logged). When vLLM shuts the scheduler down (or at exit, where the scheduler lives in the main
+process), one line in vLLM's log says how many requests it held: an operator who turned it on learns whether the
+traffic ever gave it anything to do.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class CacheAwareHold:
         self.pool = pool
         self.block_size = block_size
         self.held_steps = 0  # (request, step) pairs held
-        self.held_requests = 0  # distinct requests held at least once (a request held again after release counts again)
+        self.held_requests = 0  # holds: a request counts once per hold, however many steps the hold lasts
         self._holding: set[str] = set()  # requests held at their last look, released ones removed
         self.errors = 0
         self._reported = False
@@ -96,7 +97,7 @@ class CacheAwareHold:
             except Exception:
                 self.errors += 1
                 if self.errors == 1:
-                    log.exception("kvfabric: cache-aware scheduling failed; requests are no longer held")
+                    log.exception("kvfabric: cache-aware scheduling failed; this request is let through")
             return True
 
         self.scheduler._handle_blocked_waiting_request = kvfabric_handle_blocked_waiting_request
