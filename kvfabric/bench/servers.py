@@ -18,7 +18,6 @@ scheduling on (:mod:`kvfabric.engine.steering.hold`); see :func:`split_arm`.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -30,15 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from kvfabric.engine.steering.hold import parse_summary
+
 __all__ = ["HOLD_SUFFIX", "ServerProcess", "ServerSpecError", "hold_summary", "process_tree", "serve_command",
            "split_arm"]
 
 PLACEHOLDERS = ("port", "policy", "run_id", "socket", "kv_blocks", "block_size", "max_model_len", "model")
 HOLD_SUFFIX = "+hold"
-
-
-# The line the hold writes to vLLM's log when vLLM shuts the scheduler down (kvfabric.engine.steering.hold).
-HOLD_LINE = re.compile(r"KVFabric cache-aware scheduling held ([\d,]+) request\(s\) for ([\d,]+) scheduler step")
 
 
 def hold_summary(log_path: str | Path | None) -> dict[str, int] | None:
@@ -50,11 +47,7 @@ def hold_summary(log_path: str | Path | None) -> dict[str, int] | None:
         text = Path(log_path).read_text(errors="replace")
     except OSError:
         return None
-    found = HOLD_LINE.findall(text)
-    if not found:
-        return None
-    requests, steps = found[-1]
-    return {"requests": int(requests.replace(",", "")), "steps": int(steps.replace(",", ""))}
+    return parse_summary(text)
 
 
 def split_arm(name: str) -> tuple[str, bool]:
@@ -91,9 +84,10 @@ class ArmSettings:
     def kvfabric_env(self) -> dict[str, str]:
         """Every KVFabric setting an arm differs by, set both ways (an arm never inherits the hold from the
         environment ``kvfabric ab`` runs in)."""
+        policy, hold = split_arm(self.policy)
         return {
-            "KVFABRIC_EVICTION_POLICY": self.eviction_policy,
-            "KVFABRIC_CACHE_AWARE_SCHEDULING": "1" if split_arm(self.policy)[1] else "0",
+            "KVFABRIC_EVICTION_POLICY": policy,
+            "KVFABRIC_CACHE_AWARE_SCHEDULING": "1" if hold else "0",
             "KVFABRIC_LIFECYCLE": "1",
             "KVFABRIC_SINK": f"unix://{self.socket}",
             "KVFABRIC_RUN_ID": self.run_id,

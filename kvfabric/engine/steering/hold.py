@@ -14,12 +14,25 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import re
 from typing import Any
 
 log = logging.getLogger("kvfabric.engine")
 summary_log = logging.getLogger("vllm.kvfabric")  # vLLM's handler: shown at vLLM's default level
 # Ids of requests held now; past this many, ids of requests the scheduler no longer knows (aborted while held) go.
 HOLDING_PRUNE_AT = 4096
+# The line written when vLLM shuts the scheduler down, and its reader (kvfabric ab reads it from a server's log).
+SUMMARY = "KVFabric cache-aware scheduling held {requests:,} request(s) for {steps:,} scheduler step(s)"
+SUMMARY_LINE = re.compile(r"KVFabric cache-aware scheduling held ([\d,]+) request\(s\) for ([\d,]+) scheduler step")
+
+
+def parse_summary(text: str) -> dict[str, int] | None:
+    """The last :data:`SUMMARY` line in ``text`` as ``{"requests", "steps"}``; None when there is none."""
+    found = SUMMARY_LINE.findall(text)
+    if not found:
+        return None
+    requests, steps = found[-1]
+    return {"requests": int(requests.replace(",", "")), "steps": int(steps.replace(",", ""))}
 
 
 class CacheAwareHold:
@@ -115,8 +128,7 @@ class CacheAwareHold:
         atexit.register(self.report)
 
     def summary(self) -> str:
-        return (f"KVFabric cache-aware scheduling held {self.held_requests:,} request(s) for "
-                f"{self.held_steps:,} scheduler step(s)"
+        return (SUMMARY.format(requests=self.held_requests, steps=self.held_steps)
                 + (f"; {self.errors:,} look(s) failed and let their request through" if self.errors else ""))
 
     def report(self) -> None:
