@@ -148,7 +148,10 @@ def test_idle_peers_holding_every_slot_do_not_keep_a_stream_out() -> None:
             sink.close(timeout=20)
             assert sink.accounted_events() == 1500 and sink.lost_events == 0
             assert stored(files.http_url, "run-legit") == 1500
-            assert metric(_metrics(files), "kvfabric_connections_closed_total", reason="evicted") >= 1
+            # The newcomer is served at once; the victim's own thread closes it at its next poll, so under load
+            # the count can come after the newcomer's rows are stored.
+            wait_until(lambda: metric(_metrics(files), "kvfabric_connections_closed_total", reason="evicted") >= 1,
+                       what="a quiet peer closed as evicted")
 
 
 def test_two_hundred_idle_connections_do_not_eat_a_stream() -> None:
