@@ -333,10 +333,18 @@ def _missed_reuse_part(gpu: list[Result]) -> list[str]:
 
 # -- targets ------------------------------------------------------------------------------------------------------
 def _best(r: Result) -> str | None:
-    """KVFabric's policy (not LRU, not a peer's) with the lowest median TTFT p50: the run's candidate for "best
-    configuration"."""
+    """KVFabric's configuration (not LRU, not a peer's policy alone) with the lowest median TTFT p50: the run's
+    candidate for "best configuration". ``POLICY+hold`` wins over its own ``POLICY`` only where the A/B calls its
+    TTFT p50 better; otherwise the two are the same in effect and the simpler one (hold off) stands."""
     cands = [p for p in r.policies if p != "lru" and p not in PEERS and r.median(p, "ttft_p50_s") is not None]
-    return min(cands, key=lambda p: r.median(p, "ttft_p50_s")) if cands else None  # type: ignore[arg-type,return-value]
+    if not cands:
+        return None
+    top: str = min(cands, key=lambda p: r.median(p, "ttft_p50_s"))  # type: ignore[arg-type,return-value]
+    plain, held = split_arm(top)
+    by = r.data["by_policy"]
+    if held and plain in cands and verdict(by[plain]["ttft_p50_s"], by[top]["ttft_p50_s"], -1)["call"] != "better":
+        return plain
+    return top
 
 
 def _rel(v: dict[str, Any] | None) -> float | None:

@@ -285,3 +285,27 @@ def test_an_arm_with_the_hold_is_ours_and_its_section_says_so(tmp_path: Path) ->
     f.write_text(json.dumps(data))
     assert ("from each server's log: `lfu+hold` 3 (1,234 steps), no line in the server log, not recorded."
             in sr.render(root))
+
+
+def test_the_hold_is_the_best_configuration_only_where_it_beats_its_own_policy(tmp_path: Path) -> None:
+    """``POLICY+hold`` with the lowest median TTFT p50 gives way to ``POLICY`` while the A/B calls no difference
+    between them (the pick would follow noise); called better, it stands."""
+    root = _copy_results(tmp_path)
+    f = root / sr.CPU_AB / "agent_tool_loop-hold" / "ab.json"
+    data = json.loads(f.read_text())
+    by = data["by_policy"]
+
+    def best() -> str | None:
+        [r] = [r for r in sr.load(sr.CPU_AB, root) if r.path.name == "agent_tool_loop-hold"]
+        return sr._best(r)
+
+    # As committed: the hold's median is the lowest of ours, inside the spread of the plain policy's runs.
+    ours = [p for p in data["policies"] if p != "lru" and p not in sr.PEERS]
+    assert min(ours, key=lambda p: by[p]["ttft_p50_s"]["median"]) == "learned+hold"
+    assert sr.verdict(by["learned"]["ttft_p50_s"], by["learned+hold"]["ttft_p50_s"], -1)["call"] == "no difference"
+    assert best() == "learned"
+    s = by["learned+hold"]["ttft_p50_s"]
+    s["values"] = [v - 1.0 for v in s["values"]]
+    s.update(median=s["median"] - 1.0, min=s["min"] - 1.0, max=s["max"] - 1.0)
+    f.write_text(json.dumps(data))
+    assert best() == "learned+hold"
