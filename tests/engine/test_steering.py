@@ -658,3 +658,43 @@ def test_a_policy_attached_to_a_warm_pool_takes_its_cached_free_blocks_as_one_fr
     assert [b for b in range(12) if index.held[b]] == sorted(cached) and len(index) == len(cached)
     assert all(keeper.table.hash[b] == S.hash64(pool.blocks[b].block_hash) for b in cached)
     assert index.pop_n(len(cached)) == cached
+
+
+def test_the_hold_forgets_dropped_requests_and_scans_once_per_doubling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hold's set of held ids: past the prune size, ids the scheduler no longer knows (aborted while held) go;
+    while many requests really wait held, the next scan waits until twice as many are held (not one per hold)."""
+    from kvfabric.engine.steering import hold as hold_module
+    from kvfabric.sim.harness import build_scheduler
+
+    class CountingRequests(dict):  # the scheduler's own table, with its scans counted
+        scans = 0
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            CountingRequests.scans += 1
+            return super().__iter__()
+
+    monkeypatch.setattr(hold_module, "HOLDING_PRUNE_AT", 4)
+    init_none_hash(sha256)
+    scheduler = build_scheduler(200, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=8192)
+    scheduler.requests = CountingRequests(scheduler.requests)
+    hold = hold_module.CacheAwareHold(scheduler, scheduler.kv_cache_manager.block_pool, BLOCK)
+    hold.should_hold = lambda request: True  # type: ignore[method-assign]  # every look holds: the bookkeeping alone
+    hold.attach()
+    look = scheduler._handle_blocked_waiting_request
+    bystander = make_request("bystander", [99] * (2 * BLOCK))  # known to the scheduler, never held
+    scheduler.requests[bystander.request_id] = bystander
+    gone = [make_request(f"gone{i}", [i] * (2 * BLOCK)) for i in range(5)]
+    assert not any(look(r) for r in gone)  # held: vLLM skips them this step
+    assert hold.held_requests == 5 and not hold._holding and CountingRequests.scans == 1  # unknown ids went
+    waiting = [make_request(f"w{i}", [i] * (2 * BLOCK)) for i in range(11)]
+    for r in waiting:
+        scheduler.requests[r.request_id] = r
+    scans = []
+    for r in waiting:
+        look(r)
+        scans.append(CountingRequests.scans)
+    assert hold.held_requests == 16 and len(hold._holding) == 11
+    # One scan at the 5th hold (5 kept: the next waits for 10 held), the next at the 11th.
+    assert scans == [1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3]
+    look(waiting[0])  # held again at the next step: the same hold, not a new one
+    assert hold.held_requests == 16

@@ -19,7 +19,8 @@ from typing import Any
 
 log = logging.getLogger("kvfabric.engine")
 summary_log = logging.getLogger("vllm.kvfabric")  # vLLM's handler: shown at vLLM's default level
-# Ids of requests held now; past this many, ids of requests the scheduler no longer knows (aborted while held) go.
+# Ids of requests held now; past this many, ids of requests the scheduler no longer knows (aborted while held) go,
+# and the next prune waits until twice what stayed is held, so that many requests held at once cost one scan each.
 HOLDING_PRUNE_AT = 4096
 # The line written when vLLM shuts the scheduler down, and its reader (kvfabric ab reads it from a server's log).
 SUMMARY = "KVFabric cache-aware scheduling held {requests:,} request(s) for {steps:,} scheduler step(s)"
@@ -53,6 +54,7 @@ class CacheAwareHold:
         self.held_steps = 0  # (request, step) pairs held
         self.held_requests = 0  # holds: a request counts once per hold, however many steps the hold lasts
         self._holding: set[str] = set()  # requests held at their last look, released ones removed
+        self._prune_at = HOLDING_PRUNE_AT
         self.errors = 0
         self._reported = False
         self._managers = self._single_type_managers(scheduler)
@@ -103,8 +105,9 @@ class CacheAwareHold:
                     if request.request_id not in self._holding:
                         self.held_requests += 1
                         self._holding.add(request.request_id)
-                        if len(self._holding) > HOLDING_PRUNE_AT:
+                        if len(self._holding) > self._prune_at:
                             self._holding &= set(getattr(self.scheduler, "requests", {}) or ())
+                            self._prune_at = max(HOLDING_PRUNE_AT, 2 * len(self._holding))
                     return False
                 self._holding.discard(request.request_id)
             except Exception:
