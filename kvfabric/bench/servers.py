@@ -40,7 +40,8 @@ HOLD_SUFFIX = "+hold"
 
 def hold_summary(log_path: str | Path | None) -> dict[str, int] | None:
     """What cache-aware scheduling held in one server's life, from its log: ``{"requests", "steps"}``, or None
-    when the log has no such line (no hold attached, or the engine died before vLLM shut its scheduler down)."""
+    when the log has no such line (no hold attached, or it never held and the engine died before vLLM shut its
+    scheduler down)."""
     if log_path is None:
         return None
     try:

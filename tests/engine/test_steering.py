@@ -415,7 +415,7 @@ def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache
     """Two requests of one family arrive together; prefills are interleaved (per-request chunk cap).
 
     Without the hold the second computes the shared prefix alongside the first; with it, it waits and hits it, and
-    vLLM's shutdown of the scheduler logs, once, how many requests were held.
+    the drained scheduler logs, once, how many requests were held (shutdown and exit do not repeat the same counts).
     """
     from kvfabric.engine.config import HookSettings
     from kvfabric.engine.install import install
@@ -429,7 +429,9 @@ def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache
     shared = [1000 + i for i in range(2048)]
     engine.add_workload([(0.0, "a", shared + [7] * 40, 2, None), (0.0, "b", shared + [9] * 40, 2, None),
                          (0.0, "c", [5000 + i for i in range(300)], 2, None)])
-    engine.run_until_done()
+    with caplog.at_level("INFO", logger="vllm.kvfabric"):
+        engine.run_until_done()
+    said_running = [r.getMessage() for r in caplog.records if r.name == "vllm.kvfabric"]
     hit_b = engine.metrics["b"].num_cached_tokens
     assert engine.metrics["c"].num_cached_tokens == 0
     if cache_aware:
@@ -438,14 +440,15 @@ def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache
         assert hold is not None and hold.held_requests == 1 and hold.held_steps >= 1 and not hold._holding
         assert hit_b == 2048  # the whole shared prefix, sealed by "a" first
         assert engine.metrics["c"].first_token_s is not None  # an unrelated request is never held
+        line = f"KVFabric cache-aware scheduling held 1 request(s) for {hold.held_steps:,} scheduler step(s)"
+        assert said_running == [line]  # written when the scheduler drained, before anyone stops it
         with caplog.at_level("INFO", logger="vllm.kvfabric"):
             scheduler.shutdown()
-            hold.report()  # (at exit: already said)
-        said = [r.getMessage() for r in caplog.records if r.name == "vllm.kvfabric"]
-        assert said == [f"KVFabric cache-aware scheduling held 1 request(s) for {hold.held_steps:,} scheduler "
-                        "step(s)"]
+            hold.report()  # (at exit)
+        assert [r.getMessage() for r in caplog.records if r.name == "vllm.kvfabric"] == [line]  # same counts: said
     else:
         assert hit_b < 2048
+        assert said_running == []
 
 
 def test_session_hints_steer_adaptive_aging() -> None:

@@ -6,7 +6,9 @@ Runs on vLLM's scheduler thread, inside ``Scheduler._handle_blocked_waiting_requ
 it); the hold owns only its counters. A look that fails lets its request through (vLLM's own answer stands; the
 first failure is logged). When vLLM shuts the scheduler down (or at exit, where the scheduler lives in the main
 process), one line in vLLM's log says how many requests it held: an operator who turned it on learns whether the
-traffic ever gave it anything to do.
+traffic ever gave it anything to do. The same line is written each time the scheduler drains (no request left)
+with counts that changed since it was last written, because vLLM may kill its EngineCore during teardown before
+the scheduler's shutdown runs; the last line in the log is the total.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ summary_log = logging.getLogger("vllm.kvfabric")  # vLLM's handler: shown at vLL
 # Ids of requests held now; past this many, ids of requests the scheduler no longer knows (aborted while held) go,
 # and the next prune waits until twice what stayed is held, so that many requests held at once cost one scan each.
 HOLDING_PRUNE_AT = 4096
-# The line written when vLLM shuts the scheduler down, and its reader (kvfabric ab reads it from a server's log).
+# The line written when the scheduler drains or vLLM shuts it down, and its reader (kvfabric ab reads the log).
 SUMMARY = "KVFabric cache-aware scheduling held {requests:,} request(s) for {steps:,} scheduler step(s)"
 SUMMARY_LINE = re.compile(r"KVFabric cache-aware scheduling held ([\d,]+) request\(s\) for ([\d,]+) scheduler step")
 
@@ -56,7 +58,7 @@ class CacheAwareHold:
         self._holding: set[str] = set()  # requests held at their last look, released ones removed
         self._prune_at = HOLDING_PRUNE_AT
         self.errors = 0
-        self._reported = False
+        self._reported: tuple[int, int, int] | None = None  # the counts the last line said
         self._managers = self._single_type_managers(scheduler)
 
     @staticmethod
@@ -117,6 +119,21 @@ class CacheAwareHold:
             return True
 
         self.scheduler._handle_blocked_waiting_request = kvfabric_handle_blocked_waiting_request
+        # A drained scheduler writes the line too (only when the counts moved): a client has all its answers only
+        # after this step's outputs, so the line precedes any stop a benchmark sends once its requests are done.
+        update = self.scheduler.update_from_output
+
+        @functools.wraps(update)
+        def kvfabric_update_from_output(*args: Any, **kwargs: Any) -> Any:
+            out = update(*args, **kwargs)
+            try:
+                if self.held_steps and not self.scheduler.has_unfinished_requests():
+                    self.report()
+            except Exception:  # (never into vLLM: the line waits for shutdown)
+                pass
+            return out
+
+        self.scheduler.update_from_output = kvfabric_update_from_output
         # The line is written when vLLM shuts the scheduler down: vLLM's EngineCore is a child process that leaves
         # by os._exit (and may be killed during its teardown), so atexit alone would run only where the scheduler
         # lives in the main process (kvfabric replay), where it stands in for a shutdown nobody calls.
@@ -135,10 +152,11 @@ class CacheAwareHold:
                 + (f"; {self.errors:,} look(s) failed and let their request through" if self.errors else ""))
 
     def report(self) -> None:
-        """Log :meth:`summary` (at exit), once. Never raises."""
-        if self._reported:
+        """Log :meth:`summary` unless the last line logged said the same counts. Never raises."""
+        counts = (self.held_requests, self.held_steps, self.errors)
+        if counts == self._reported:
             return
-        self._reported = True
+        self._reported = counts
         try:
             summary_log.info("%s", self.summary())
         except Exception:  # (logging torn down at exit: nothing to tell it to)
