@@ -237,8 +237,8 @@ SETTINGS: tuple[Setting, ...] = (
             "cost by capacity is in `docs/policy-results.md`)",
             field="admission_anchor_blocks", minimum=0, default_note="off"),
     Setting("KVFABRIC_CACHE_AWARE_SCHEDULING", "bool", False, "hold a waiting request while a running one prefills "
-            "the blocks it needs; when vLLM shuts the scheduler down, its log says how many requests were held (with "
-            "`--shutdown-timeout` above vLLM's default 0, which may kill the engine first)",
+            "the blocks it needs; each time the scheduler drains and when vLLM shuts it down, its log says how many "
+            "requests were held so far (written only when the count moved; the last line is the total)",
             field="cache_aware_scheduling"),
     Setting("KVFABRIC_NATIVE", "bool", True, "`0`: record and steer with the Python code (pool hooks, victim index, "
             "free path) even where its compiled copy is built; both make the same records and decisions",
