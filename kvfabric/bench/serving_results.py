@@ -332,18 +332,39 @@ def _missed_reuse_part(gpu: list[Result]) -> list[str]:
 
 
 # -- targets ------------------------------------------------------------------------------------------------------
+# What the targets judge a configuration by, with the direction that is better (-1: lower).
+_TARGET_CALLS: tuple[tuple[str, int], ...] = (("ttft_p50_s", -1), ("ttft_p90_s", -1), ("requests_per_s", 1))
+
+
+def _calls(r: Result, base: str, other: str) -> tuple[int, int]:
+    """How many of :data:`_TARGET_CALLS` the A/B calls better and worse for ``other`` against ``base``."""
+    by = r.data["by_policy"]
+    calls = [verdict(by[base][k], by[other][k], d)["call"] for k, d in _TARGET_CALLS
+             if by[base].get(k) and by[other].get(k)]
+    return calls.count("better"), calls.count("worse")
+
+
 def _best(r: Result) -> str | None:
-    """KVFabric's configuration (not LRU, not a peer's policy alone) with the lowest median TTFT p50: the run's
-    candidate for "best configuration". ``POLICY+hold`` wins over its own ``POLICY`` only where the A/B calls its
-    TTFT p50 better; otherwise the two are the same in effect and the simpler one (hold off) stands."""
+    """KVFabric's configuration (not LRU, not a peer's policy alone) the A/B calls better than LRU on the most of
+    TTFT p50, TTFT p90 and requests/s (net of metrics called worse), the lowest median TTFT p50 among equals: the
+    run's candidate for "best configuration". A lower median the A/B does not call a difference is noise, so it
+    decides only between configurations the calls cannot tell apart. ``POLICY+hold`` wins over its own ``POLICY``
+    only where the A/B calls it better than ``POLICY`` on one of those metrics and worse on none; otherwise the two
+    are the same in effect and the simpler one (hold off) stands."""
     cands = [p for p in r.policies if p != "lru" and p not in PEERS and r.median(p, "ttft_p50_s") is not None]
     if not cands:
         return None
-    top: str = min(cands, key=lambda p: r.median(p, "ttft_p50_s"))  # type: ignore[arg-type,return-value]
+
+    def rank(p: str) -> tuple[int, float]:
+        better, worse = _calls(r, "lru", p) if "lru" in r.policies else (0, 0)
+        return -(better - worse), r.median(p, "ttft_p50_s")  # type: ignore[return-value]
+
+    top = min(cands, key=rank)
     plain, held = split_arm(top)
-    by = r.data["by_policy"]
-    if held and plain in cands and verdict(by[plain]["ttft_p50_s"], by[top]["ttft_p50_s"], -1)["call"] != "better":
-        return plain
+    if held and plain in cands:
+        better, worse = _calls(r, plain, top)
+        if not better or worse:
+            return plain
     return top
 
 
@@ -405,7 +426,9 @@ def targets(gpu: list[Result], sweeps: list[Result], cpu: Iterable[Result] = ())
         # The folder tells apart two A/Bs of one scenario on the same kind of machine.
         where = f"{card}, {reps} repetition{'s' if reps != 1 else ''}, `{r.path.name}/`"
         # A verdict from fewer repetitions than planned says so: the targets ask for the full A/B.
-        tag = "" if r.complete else f" (incomplete: {reps} of {r.data['plan']['repeat']} repetitions)"
+        planned = r.data["plan"]["repeat"]
+        tag = ("" if r.complete else f" (incomplete: {reps} of {planned} repetitions)" if reps < planned
+               else f" (incomplete A/B: {len(r.data['runs'])} of {r.planned_arms} arms; these ran all {planned})")
         if r.scenario in LONG_CONTEXT:
             for key in ("ttft_p50_s", "ttft_p90_s"):
                 rel, call = _rel(v.get(key)), (v.get(key) or {}).get("call")

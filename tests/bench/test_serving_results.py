@@ -309,3 +309,34 @@ def test_the_hold_is_the_best_configuration_only_where_it_beats_its_own_policy(t
     s.update(median=s["median"] - 1.0, min=s["min"] - 1.0, max=s["max"] - 1.0)
     f.write_text(json.dumps(data))
     assert best() == "learned+hold"
+
+
+def test_the_best_configuration_is_the_one_called_better_on_the_most_targets(tmp_path: Path) -> None:
+    """A lower median TTFT p50 that the A/B calls no difference does not make a configuration the best: on the H200
+    A/B of `long_conversation_return` with `learned`, `learned` has the lowest median p50 (its runs spread wide) but
+    is called better than LRU on fewer of TTFT p50, p90 and requests/s than `shared_aware`, which stands. Where the
+    calls tie, the lower median decides."""
+    root = _copy_results(tmp_path)
+    folder = root / sr.GPU / "long_conversation_return-h200-2"
+    data = json.loads((folder / "ab.json").read_text())
+    by = data["by_policy"]
+
+    def best() -> str | None:
+        [r] = [r for r in sr.load(sr.GPU, root) if r.path.name == folder.name]
+        return sr._best(r)
+
+    ours = [p for p in data["policies"] if p != "lru" and p not in sr.PEERS]
+    assert min(ours, key=lambda p: by[p]["ttft_p50_s"]["median"]) == "learned"
+    calls = {p: [sr.verdict(by["lru"][k], by[p][k], d)["call"] for k, d in sr._TARGET_CALLS] for p in ours}
+    assert calls["shared_aware"].count("better") > calls["learned"].count("better")
+    assert best() == "shared_aware"
+    # learned made as good as shared_aware on p90 and requests/s, and its p50 1 ms below shared_aware's runs: the
+    # calls tie, and the lower median decides.
+    for k in ("ttft_p90_s", "requests_per_s"):
+        by["learned"][k] = dict(by["shared_aware"][k])
+    s = dict(by["shared_aware"]["ttft_p50_s"])
+    s.update(values=[v - 0.001 for v in s["values"]], median=s["median"] - 0.001, min=s["min"] - 0.001,
+             max=s["max"] - 0.001)
+    by["learned"]["ttft_p50_s"] = s
+    (folder / "ab.json").write_text(json.dumps(data))
+    assert best() == "learned"
