@@ -134,7 +134,7 @@ class CacheAwareHold:
             return out
 
         self.scheduler.update_from_output = kvfabric_update_from_output
-        # The line is written when vLLM shuts the scheduler down: vLLM's EngineCore is a child process that leaves
+        # It is also written when vLLM shuts the scheduler down: vLLM's EngineCore is a child process that leaves
         # by os._exit (and may be killed during its teardown), so atexit alone would run only where the scheduler
         # lives in the main process (kvfabric replay), where it stands in for a shutdown nobody calls.
         shutdown = getattr(self.scheduler, "shutdown", None)
