@@ -451,6 +451,25 @@ def test_cache_aware_scheduling_holds_a_request_until_its_prefix_is_sealed(cache
         assert said_running == []
 
 
+def test_a_hold_that_never_held_says_so_when_the_scheduler_drains(caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing to hold (one request): the line still comes while the scheduler runs, not only at its shutdown,
+    which vLLM may never reach (a second SIGTERM kills the EngineCore during teardown); later drains with the same
+    counts add nothing."""
+    from kvfabric.engine.config import HookSettings
+    from kvfabric.engine.install import install
+    from kvfabric.sim.harness import SimulatedEngine, build_scheduler
+
+    scheduler = build_scheduler(2000, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=8192)
+    install(scheduler, HookSettings(policy="lru", cache_aware_scheduling=True))
+    engine = SimulatedEngine(scheduler, "zero", track_evictions=False)
+    engine.add_workload([(0.0, "a", [1000 + i for i in range(300)], 2, None),
+                         (5.0, "b", [3000 + i for i in range(300)], 2, None)])  # two drains, apart
+    with caplog.at_level("INFO", logger="vllm.kvfabric"):
+        engine.run_until_done()
+    said = [r.getMessage() for r in caplog.records if r.name == "vllm.kvfabric"]
+    assert said == ["KVFabric cache-aware scheduling held 0 request(s) for 0 scheduler step(s)"]
+
+
 def test_session_hints_steer_adaptive_aging() -> None:
     """An ended conversation's private blocks go before older blocks; a preempted one is not treated as ended."""
     from vllm.v1.request import RequestStatus

@@ -119,15 +119,16 @@ class CacheAwareHold:
             return True
 
         self.scheduler._handle_blocked_waiting_request = kvfabric_handle_blocked_waiting_request
-        # A drained scheduler writes the line too (only when the counts moved): a client has all its answers only
-        # after this step's outputs, so the line precedes any stop a benchmark sends once its requests are done.
+        # A drained scheduler writes the line too (only when the counts moved, the first time whatever they are, so
+        # a hold that never held says so too): a client has all its answers only after this step's outputs, so the
+        # line precedes any stop a benchmark sends once its requests are done.
         update = self.scheduler.update_from_output
 
         @functools.wraps(update)
         def kvfabric_update_from_output(*args: Any, **kwargs: Any) -> Any:
             out = update(*args, **kwargs)
             try:
-                if self.held_steps and not self.scheduler.has_unfinished_requests():
+                if not self.scheduler.has_unfinished_requests():
                     self.report()
             except Exception:  # (never into vLLM: the line waits for shutdown)
                 pass
